@@ -1,0 +1,61 @@
+"""Error classes that carry their exit code (the CLI maps them; no traceback for user errors)."""
+from __future__ import annotations
+
+
+class MoptError(Exception):
+    """Base class: a message for the user and the process exit code."""
+
+    exit_code = 1
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(MoptError):
+    """Bad input: config files, arguments, select patterns. Exit 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None,
+                 line: int | None = None):
+        where = ""
+        if file:
+            where = file + (f":{line}" if line else "")
+        if key:
+            where = f"{where}: {key}" if where else key
+        super().__init__(f"{where}: {message}" if where else message)
+        self.file, self.key, self.line = file, key, line
+
+
+class IncompatibleError(MoptError):
+    """A combination that cannot work (compat check). Exit 3."""
+
+    exit_code = 3
+
+
+class BuildError(MoptError):
+    """An image build or engine compile failed. Exit 4."""
+
+    exit_code = 4
+
+
+class SmokeTestError(MoptError):
+    """A smoke test failed. Exit 5."""
+
+    exit_code = 5
+
+
+class PublishError(MoptError):
+    """Pushing to the registry failed or a digest did not verify. Exit 6."""
+
+    exit_code = 6
+
+
+class EnvironmentProblem(MoptError):
+    """Something the host lacks (docker daemon, BuildKit client, disk). Exit 7."""
+
+    exit_code = 7
