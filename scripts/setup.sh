@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Prepare a Debian 12 machine (as root) for mopt: system packages, a running Docker daemon,
+# and the project's virtual environment at <repo>/.venv.
+#
+# Idempotent and fast when everything is present: apt-get runs only when a package is missing,
+# dockerd is started only when /usr/bin/docker cannot reach a daemon, and pip runs only when
+# pyproject.toml (or the interpreter) changed since the last successful install.
+#
+# Environment knobs:
+#   MOPT_PYTHON        interpreter for a new venv (default: python3.11 on PATH, else python3)
+#   MOPT_SKIP_APT=1    do not touch system packages (e.g. a machine prepared by other means)
+#   MOPT_SKIP_DOCKERD=1  do not start dockerd
+#   MOPT_FORCE_PIP=1   reinstall the venv's packages even if the hash matches
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$REPO/.venv"
+STAMP="$VENV/.mopt-setup-key"
+DOCKER=/usr/bin/docker
+DOCKERD_LOG=/var/log/dockerd.log
+T0=$SECONDS
+
+say()  { printf '[setup] %s\n' "$*"; }
+die()  { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# --------------------------------------------------------------------------- system packages
+# Package name -> why. xz-utils/iptables/debian-archive-keyring are named explicitly because
+# we install without Recommends.
+PACKAGES=(
+    docker.io            # Engine 20.10 + /usr/bin/docker with built-in BuildKit
+    iptables             # dockerd's bridge networking
+    docker-registry      # CNCF distribution: the local authenticated registry
+    mmdebstrap           # reproducible Debian rootfs for base images
+    debootstrap          # fallback rootfs builder
+    debian-archive-keyring
+    skopeo               # inspect/copy images in registries
+    python3 python3-venv python3-dev
+    gcc g++              # AOTInductor on CPU needs a C++ compiler
+    curl ca-certificates git xz-utils
+)
+
+is_installed() {
+    [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null || true)" = "installed" ]
+}
+
+install_packages() {
+    local missing=() p
+    for p in "${PACKAGES[@]}"; do
+        is_installed "$p" || missing+=("$p")
+    done
+    if [ ${#missing[@]} -eq 0 ]; then
+        say "system packages: all present"
+        return
+    fi
+    [ "$(id -u)" -eq 0 ] || die "missing packages (${missing[*]}) and not root; run as root"
+    say "system packages: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends \
+        -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+        "${missing[@]}" >/dev/null
+    for p in "${missing[@]}"; do
+        is_installed "$p" || die "package $p did not install"
+    done
+    say "system packages: installed ${#missing[@]}"
+}
+
+# --------------------------------------------------------------------------- docker daemon
+daemon_up() { "$DOCKER" info >/dev/null 2>&1; }
+
+start_dockerd() {
+    local started=""
+    [ -x "$DOCKER" ] || die "$DOCKER not found (apt-get install docker.io)"
+    if daemon_up; then
+        say "docker daemon: reachable ($("$DOCKER" version --format '{{.Server.Version}}' 2>/dev/null))"
+        return
+    fi
+    if [ "${MOPT_SKIP_DOCKERD:-0}" = 1 ]; then
+        die "docker daemon not reachable and MOPT_SKIP_DOCKERD=1"
+    fi
+    # The Debian docker.io package ships systemd units, but CI containers and fresh VMs
+    # often have no running systemd, so start the daemon directly unless one is running.
+    if ! pgrep -x dockerd >/dev/null 2>&1; then
+        # A stale pid file (from a killed daemon) makes dockerd refuse to start.
+        if [ -f /var/run/docker.pid ] && ! kill -0 "$(cat /var/run/docker.pid)" 2>/dev/null; then
+            rm -f /var/run/docker.pid
+        fi
+        local dockerd
+        dockerd="$(PATH="$PATH:/usr/sbin:/sbin" command -v dockerd || true)"
+        [ -n "$dockerd" ] || die "dockerd not found (apt-get install docker.io)"
+        say "docker daemon: starting $dockerd (log: $DOCKERD_LOG)"
+        setsid nohup "$dockerd" >"$DOCKERD_LOG" 2>&1 </dev/null &
+        started=$!
+    else
+        say "docker daemon: dockerd process exists, waiting for it"
+    fi
+    local i
+    for i in $(seq 1 60); do
+        if daemon_up; then
+            say "docker daemon: up after ${i}s"
+            return
+        fi
+        if [ -n "$started" ] && ! kill -0 "$started" 2>/dev/null; then
+            tail -n 20 "$DOCKERD_LOG" >&2 || true
+            die "dockerd exited at once (see $DOCKERD_LOG)"
+        fi
+        sleep 1
+    done
+    tail -n 20 "$DOCKERD_LOG" >&2 || true
+    die "docker daemon did not answer 'docker info' within 60 s (see $DOCKERD_LOG)"
+}
+
+# --------------------------------------------------------------------------- venv
+pick_python() {
+    local py="${MOPT_PYTHON:-}"
+    if [ -z "$py" ]; then
+        py="$(command -v python3.11 || command -v python3 || true)"
+    fi
+    [ -n "$py" ] || die "no python3 found"
+    "$py" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
+        || die "$py is older than 3.11"
+    echo "$py"
+}
+
+venv_key() {
+    # Inputs that decide what the venv must contain: the project's dependencies, the
+    # interpreter, and where pip finds local wheels.
+    {
+        cat "$REPO/pyproject.toml"
+        "$VENV/bin/python" -c 'import sys; print(sys.version)'
+        echo "${PIP_FIND_LINKS:-}"
+    } | sha256sum | cut -d' ' -f1
+}
+
+setup_venv() {
+    if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -c 'import sys' >/dev/null 2>&1; then
+        say "venv: $VENV is broken (interpreter gone), recreating"
+        rm -rf "$VENV"
+    fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        local py
+        py="$(pick_python)"
+        say "venv: creating $VENV with $py ($("$py" -c 'import platform; print(platform.python_version())'))"
+        "$py" -m venv "$VENV"
+    fi
+    local key
+    key="$(venv_key)"
+    if [ "${MOPT_FORCE_PIP:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ]; then
+        say "venv: up to date"
+        return
+    fi
+    if [ -z "${PIP_FIND_LINKS:-}" ] && ! "$VENV/bin/pip" config list 2>/dev/null | grep -q find-links; then
+        say "venv: WARNING no pip find-links set: torch will come from the index (large CUDA build)"
+    fi
+    say "venv: pip install -e '.[test,runtime]' (quiet; can take a few minutes)"
+    rm -f "$STAMP"
+    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,runtime]')
+    echo "$key" >"$STAMP"
+    say "venv: installed"
+}
+
+# --------------------------------------------------------------------------- main
+if [ "${MOPT_SKIP_APT:-0}" = 1 ]; then
+    say "system packages: skipped (MOPT_SKIP_APT=1)"
+else
+    install_packages
+fi
+start_dockerd
+setup_venv
+say "done in $((SECONDS - T0))s"
