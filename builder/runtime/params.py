@@ -1,0 +1,51 @@
+"""Engine build parameters: one frozen dataclass shared by compile, guard, loader and server."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from .errors import UsageError
+
+POOLINGS = ("mean", "last", "cls")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("cpu", "cuda")
+# The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
+SEQ_BUCKET = 8
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    backend: str = "torch-aot"
+    device: str = "cpu"
+    precision: str = "fp32"
+    max_batch: int = 32
+    max_seq_len: int = 512
+    pooling: str = "mean"
+    normalize: bool = True
+    instruction: str | None = None
+    # Where the weights live, so an opted-in host can recompile (images keep /opt/mopt/model).
+    model_dir: str | None = None
+    model_name: str | None = None
+    shape_policy: str = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise UsageError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.pooling not in POOLINGS:
+            raise UsageError(f"--pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.device == "cpu" and self.precision != "fp32":
+            # Half precision on CPU is slow and its accuracy vs the fp32 reference is not checked.
+            raise UsageError(f"--precision {self.precision} needs --device cuda; use fp32 on cpu")
+        if not 1 <= self.max_batch <= 4096:
+            raise UsageError(f"--max-batch must be in 1..4096, got {self.max_batch}")
+        if not SEQ_BUCKET <= self.max_seq_len <= 32768:
+            raise UsageError(f"--max-seq-len must be in {SEQ_BUCKET}..32768, got {self.max_seq_len}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineParams:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

@@ -1,0 +1,100 @@
+"""Tokenization shared by compile (reference texts) and the server, from tokenizer.json alone.
+
+Conventions follow the pooling: last-token pooling (Qwen3-Embedding style) appends the
+end-of-text token to every input and pads on the left; mean/cls pooling pads on the right.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+# Files copied into the engine dir so serving never needs the model dir.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: list[list[int]]
+    attention_mask: list[list[int]]
+
+
+class TextEncoder:
+    def __init__(self, directory: str | Path, pooling: str, instruction: str | None = None):
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found (a fast tokenizer.json is required)")
+        self.tok = Tokenizer.from_file(str(path))
+        # We truncate/pad ourselves: over-long inputs are an error, not silently cut.
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        cfg = {}
+        cfg_path = directory / "tokenizer_config.json"
+        if cfg_path.is_file():
+            cfg = json.loads(cfg_path.read_text())
+        self.instruction = instruction
+        self.pad_left = pooling == "last"
+        self.append_eos = pooling == "last"
+        self.eos_id = self._find_id([_token_text(cfg.get("eos_token")), *EOS_CANDIDATES])
+        if self.append_eos and self.eos_id is None:
+            raise ValueError("last-token pooling needs an end-of-text token; none found in tokenizer")
+        pad = self._find_id([_token_text(cfg.get("pad_token")), "[PAD]", "<pad>"])
+        self.pad_id = pad if pad is not None else (self.eos_id or 0)
+
+    def _find_id(self, candidates) -> int | None:
+        for text in candidates:
+            if text:
+                tid = self.tok.token_to_id(text)
+                if tid is not None:
+                    return tid
+        return None
+
+    def format_query(self, text: str) -> str:
+        # Qwen3-Embedding's query format; documents are embedded without an instruction.
+        return f"Instruct: {self.instruction}\nQuery:{text}" if self.instruction else text
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        out = []
+        for enc in self.tok.encode_batch(list(texts)):
+            ids = list(enc.ids)
+            if self.append_eos and (not ids or ids[-1] != self.eos_id):
+                ids.append(self.eos_id)
+            out.append(ids)
+        return out
+
+    def pad(self, seqs: list[list[int]], length: int) -> Batch:
+        ids, mask = [], []
+        for s in seqs:
+            n = length - len(s)
+            if self.pad_left:
+                ids.append([self.pad_id] * n + s)
+                mask.append([0] * n + [1] * len(s))
+            else:
+                ids.append(s + [self.pad_id] * n)
+                mask.append([1] * len(s) + [0] * n)
+        return Batch(ids, mask)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+
+def copy_tokenizer_files(model_dir: str | Path, dest: str | Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(model_dir) / name
+        if src.is_file():
+            (Path(dest) / name).write_bytes(src.read_bytes())
+            copied.append(name)
+    return copied
