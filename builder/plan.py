@@ -1,0 +1,253 @@
+"""Expand the matrix into variants: cross axes, apply exclude/include, pick newest compatible
+values, check every combination against the compatibility knowledge base, and name the tags.
+
+Every combination ends up either a Variant or a Rejected with its reasons.
+"""
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import re
+import string
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from packaging.version import Version
+
+from . import compat
+from .errors import ConfigError
+from .matrix import AXES, Flavour, ImageEntry, Matrix
+
+_DOCKER_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+# Which resolved version is "the backend's version" in labels and engine.json.
+BACKEND_VERSION_AXIS = {"torch-aot": "torch", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm",
+                        "vllm": "vllm"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    id: str
+    image: str
+    flavour: str
+    backend: str
+    device: str
+    repository: str  # namespace/image
+    tag: str
+    long_tag: str
+    axes: dict  # the values this variant was made from (crossed, fixed, picked)
+    resolved: dict  # everything derived: torch, min_driver, cc, base, require_cuda, backend_version ...
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return (self.tag, self.long_tag)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "image": self.image, "flavour": self.flavour, "backend": self.backend,
+                "device": self.device, "repository": self.repository, "tag": self.tag,
+                "tags": list(self.tags), "axes": self.axes, "resolved": self.resolved,
+                "warnings": list(self.warnings)}
+
+
+@dataclass(frozen=True)
+class Rejected:
+    id: str
+    image: str
+    flavour: str
+    axes: dict
+    reasons: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "image": self.image, "flavour": self.flavour, "axes": self.axes,
+                "reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    variants: tuple[Variant, ...]
+    rejected: tuple[Rejected, ...]
+    combinations: int = 0
+    warnings: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict:
+        return {"variants": [v.to_json() for v in self.variants],
+                "rejected": [r.to_json() for r in self.rejected],
+                "combinations": self.combinations,
+                "warnings": list(self.warnings)}
+
+
+@lru_cache(maxsize=None)
+def _check(combo: compat.Combo) -> compat.Verdict:
+    return compat.check(combo)
+
+
+def _combo(values: dict) -> compat.Combo:
+    return compat.Combo(**{k: values.get(k) for k in ("cuda", "sm", "driver", "tensorrt", "tensorrt_llm",
+                                                      "vllm", "torch", "python")})
+
+
+def _expand(flavour: Flavour) -> list[dict]:
+    names = [axis for axis, _ in flavour.crossed]
+    combos = [dict(zip(names, values, strict=True)) | flavour.fixed
+              for values in itertools.product(*(values for _, values in flavour.crossed))]
+    combos = [c for c in combos
+              if not any(all(c.get(k) == v for k, v in rule.items()) for rule in flavour.exclude)]
+    for extra in flavour.include:
+        combo = dict(flavour.fixed) | extra
+        if combo not in combos:
+            combos.append(combo)
+    return combos
+
+
+def _pick_newest(matrix: Matrix, flavour: Flavour, combo: dict) -> list[str]:
+    """Fill each `newest` axis with the newest value compatible with the rest; reasons if none."""
+    for axis in flavour.newest:
+        candidates = sorted(matrix.axes[axis], key=Version, reverse=True)
+        tried = []
+        for value in candidates:
+            verdict = _check(_combo(combo | {axis: value}))
+            if verdict.compatible:
+                combo[axis] = value
+                break
+            tried.append(f"{axis} {value}: " + "; ".join(verdict.reasons))
+        else:
+            return [f"no {axis} in axes.{axis} is compatible with this combination ({' | '.join(tried)})"]
+    return []
+
+
+def _tag_values(matrix: Matrix, image: str, flavour: Flavour, values: dict) -> dict:
+    out = {axis: values.get(axis) for axis in AXES}
+    out.update(image=image, flavour=flavour.name, backend=flavour.backend, device=flavour.device,
+               build_id=matrix.build_id)
+    out["cuda_nodot"] = values["cuda"].replace(".", "") if values.get("cuda") else None
+    out["python_nodot"] = values["python"].replace(".", "") if values.get("python") else None
+    return out
+
+
+def _format_tag(template: str, values: dict, where: str) -> str:
+    missing = [name for _, name, _, _ in string.Formatter().parse(template)
+               if name and values.get(name) is None]
+    if missing:
+        raise ConfigError(f"tag template {template!r} uses {{{missing[0]}}}, which this flavour does not have",
+                          key=where)
+    tag = template.format(**values)
+    if not _DOCKER_TAG.match(tag):
+        raise ConfigError(f"tag {tag!r} from template {template!r} is not a valid Docker tag "
+                          "([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})", key=where)
+    return tag
+
+
+def _default_long_tag(short: str, values: dict) -> str:
+    """The immutable tag: the short tag plus every version, plus the build id."""
+    prefixes = {"cuda": "cuda", "tensorrt": "trt", "tensorrt_llm": "trtllm", "vllm": "vllm", "torch": "torch",
+                "python": "py", "driver": "drv"}
+    parts = [short] + [f"{prefix}{values[axis]}" for axis, prefix in prefixes.items() if values.get(axis)]
+    return "-".join(parts) + f"-b{values['build_id']}"
+
+
+def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Verdict) -> tuple[dict, list[str]]:
+    """Everything a template, label or guard needs, derived once here."""
+    reasons = []
+    resolved = dict(verdict.resolved)
+    for axis in ("cuda", "sm", "driver", "tensorrt", "tensorrt_llm", "vllm", "python"):
+        if values.get(axis):
+            resolved[axis] = values[axis]
+    if values.get("torch"):
+        resolved["torch"] = values["torch"]
+    base = matrix.bases[values["base"]]
+    python = values.get("python") or base.python
+    if python != base.python:
+        reasons.append(f"base {base.name} ships Python {base.python}, not {python}")
+    resolved["python"] = python
+    if base.kind == "image":
+        ref = base.ref
+        if "{cuda_tag}" in ref:
+            cuda_tag = base.cuda_tags.get(values.get("cuda") or "")
+            if cuda_tag is None:
+                reasons.append(f"base {base.name} has no image for CUDA {values.get('cuda')} "
+                               f"(cuda_tags: {', '.join(base.cuda_tags)})")
+                cuda_tag = ""
+            ref = ref.replace("{cuda_tag}", cuda_tag)
+        resolved["base"] = {"name": base.name, "kind": "image", "ref": ref}
+    else:
+        resolved["base"] = {"name": base.name, "kind": "rootfs", "ref": base.image}
+    if flavour.device == "cpu" and base.has_cuda:
+        reasons.append(f"base {base.name} is a CUDA image; a cpu flavour needs a plain base")
+    backend_axis = BACKEND_VERSION_AXIS[flavour.backend]
+    resolved["backend_version"] = resolved.get(backend_axis)
+    if not resolved["backend_version"]:
+        reasons.append(f"backend {flavour.backend} needs a {backend_axis} version: cross, set or pick it")
+    if flavour.device == "cuda" and values.get("cuda"):
+        resolved["require_cuda"] = compat.require_cuda_env(values["cuda"])
+    resolved["runtime_source"] = flavour.runtime_source
+    return resolved, reasons
+
+
+def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour) -> tuple[list, list, int]:
+    variants, rejected = [], []
+    combos = _expand(flavour)
+    for combo in combos:
+        values = dict(combo)
+        reasons = _pick_newest(matrix, flavour, values)
+        verdict = _check(_combo(values)) if not reasons else None
+        if verdict is not None and not verdict.compatible:
+            reasons = list(verdict.reasons)
+        resolved = {}
+        if not reasons:
+            resolved, reasons = _resolve(matrix, flavour, values, verdict)
+        tag_values = _tag_values(matrix, entry.name, flavour, values | {"torch": resolved.get("torch")})
+        where = f"images.{entry.name}.flavours.{flavour.name}"
+        axes = {axis: values[axis] for axis in AXES if values.get(axis) is not None}
+        if reasons:
+            try:
+                would_be = _format_tag(flavour.tag, tag_values, where + ".tag")
+            except ConfigError:
+                would_be = "-".join(f"{k}{v}" for k, v in axes.items())
+            rejected.append(Rejected(id=f"{entry.name}:{would_be}", image=entry.name, flavour=flavour.name,
+                                     axes=axes, reasons=tuple(reasons)))
+            continue
+        tag = _format_tag(flavour.tag, tag_values, where + ".tag")
+        tag_values["tag"] = tag
+        if flavour.long_tag:
+            long_tag = _format_tag(flavour.long_tag, tag_values, where + ".long_tag")
+        else:
+            long_tag = _default_long_tag(tag, tag_values)
+            if not _DOCKER_TAG.match(long_tag):
+                raise ConfigError(f"the default long tag {long_tag!r} is too long; set long_tag", key=where)
+        variants.append(Variant(
+            id=f"{entry.name}:{tag}", image=entry.name, flavour=flavour.name, backend=flavour.backend,
+            device=flavour.device, repository=f"{matrix.namespace}/{entry.name}", tag=tag, long_tag=long_tag,
+            axes=axes, resolved=resolved, warnings=tuple(verdict.warnings)))
+    return variants, rejected, len(combos)
+
+
+def make_plan(matrix: Matrix, select: tuple[str, ...] = ()) -> Plan:
+    variants, rejected, total = [], [], 0
+    for entry in matrix.images:
+        for flavour in entry.flavours:
+            v, r, n = _plan_flavour(matrix, entry, flavour)
+            variants += v
+            rejected += r
+            total += n
+    seen: dict[str, Variant] = {}
+    for variant in variants:
+        for tag in variant.tags:
+            key = f"{variant.image}:{tag}"
+            other = seen.get(key)
+            if other is not None:
+                raise ConfigError(
+                    f"two variants would publish the same tag {key} (flavours {other.flavour} and "
+                    f"{variant.flavour}, axes {other.axes} and {variant.axes}); make the tag templates differ",
+                    key=f"images.{variant.image}.flavours.{variant.flavour}.tag")
+            seen[key] = variant
+    if select:
+        for pattern in select:
+            if not any(fnmatch.fnmatchcase(x.id, pattern) for x in (*variants, *rejected)):
+                known = ", ".join(v.id for v in variants[:6]) + (", ..." if len(variants) > 6 else "")
+                raise ConfigError(f"--select {pattern!r} matches no variant (variants look like: {known})")
+        variants = [v for v in variants if any(fnmatch.fnmatchcase(v.id, p) for p in select)]
+        rejected = [r for r in rejected if any(fnmatch.fnmatchcase(r.id, p) for p in select)]
+    warnings = sorted({w for v in variants for w in v.warnings})
+    return Plan(variants=tuple(variants), rejected=tuple(rejected), combinations=total,
+                warnings=tuple(warnings))

@@ -1,0 +1,124 @@
+"""Image recipes: images/<name>/image.yaml -> a frozen Recipe."""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .yamlio import load_yaml, validate
+
+_SOURCE = re.compile(r"^(?P<kind>hf|local|package|generate):(?://)?(?P<ref>.+)$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model comes from. `text` is what the recipe says, verbatim."""
+
+    text: str
+    kind: str  # hf | local | package | generate
+    ref: str   # hf: org/name@rev; local: path; package: dist==ver/path; generate: tiny-qwen3?seed=N
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSource:
+        match = _SOURCE.match(text)
+        assert match, text  # the schema's pattern already checked the form
+        return cls(text=text, kind=match["kind"], ref=match["ref"])
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    max_batch: int
+    max_seq_len: int
+    precision: str
+    cpu_precision: str
+    shapes: str
+    seq_buckets: tuple[int, ...]
+    tensorrt: dict
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    license: str
+    source_url: str
+    path: Path
+    digest: str  # sha256 of image.yaml: part of every stage key of this image
+    model: ModelSource
+    dimension: int
+    substitute: ModelSource | None
+    substitute_dimension: int | None
+    substitute_why: str
+    pooling: str
+    normalize: bool
+    instruction: str
+    engine: EngineParams
+    serve_command: tuple[str, ...]
+    port: int
+    max_inputs: int
+    max_wait_ms: float
+    smoke_inputs: tuple[str, ...]
+    min_cosine: float
+    start_timeout_s: int
+
+    def precision_for(self, device: str) -> str:
+        return self.engine.cpu_precision if device == "cpu" else self.engine.precision
+
+
+def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
+    doc = load_yaml(path, display)
+    validate(doc, "image")
+    data = doc.data
+    if data["name"] != expected_name:
+        raise doc.error(("name",), f"recipe name {data['name']!r} does not match the matrix's image "
+                                   f"name {expected_name!r}")
+    engine = data["engine"]
+    if engine.get("shapes") == "buckets" and not engine.get("seq_buckets"):
+        raise doc.error(("engine", "seq_buckets"), "shapes: buckets needs a non-empty seq_buckets list")
+    for bucket in engine.get("seq_buckets", []):
+        if bucket > engine["max_seq_len"]:
+            raise doc.error(("engine", "seq_buckets"),
+                            f"bucket {bucket} is larger than max_seq_len {engine['max_seq_len']}")
+    trt = engine.get("tensorrt", {})
+    for low, high, key in (("min_batch", "opt_batch", "max_batch"), ("min_seq_len", "opt_seq_len", "max_seq_len")):
+        bounds = [trt.get(low, 1), trt.get(high, 1), engine[key]]
+        if bounds != sorted(bounds):
+            raise doc.error(("engine", "tensorrt"),
+                            f"profile must satisfy {low} <= {high} <= engine.{key}, got {bounds}")
+    model = data["model"]
+    substitute = model.get("substitute")
+    smoke = data["smoke"]
+    serve = data["serve"]
+    return Recipe(
+        name=data["name"],
+        description=data["description"],
+        license=data.get("license", ""),
+        source_url=data.get("source_url", ""),
+        path=path,
+        digest=hashlib.sha256(path.read_bytes()).hexdigest(),
+        model=ModelSource.parse(model["source"]),
+        dimension=model["dimension"],
+        substitute=ModelSource.parse(substitute["source"]) if substitute else None,
+        substitute_dimension=substitute["dimension"] if substitute else None,
+        substitute_why=substitute["why"] if substitute else "",
+        pooling=data["embedding"]["pooling"],
+        normalize=data["embedding"]["normalize"],
+        instruction=data["embedding"].get("instruction", ""),
+        engine=EngineParams(
+            max_batch=engine["max_batch"],
+            max_seq_len=engine["max_seq_len"],
+            precision=engine["precision"],
+            cpu_precision=engine.get("cpu_precision", "fp32"),
+            shapes=engine.get("shapes", "dynamic"),
+            seq_buckets=tuple(engine.get("seq_buckets", ())),
+            tensorrt=dict(trt),
+        ),
+        serve_command=tuple(serve["command"]),
+        port=serve["port"],
+        max_inputs=serve.get("max_inputs", 256),
+        max_wait_ms=float(serve.get("max_wait_ms", 5)),
+        smoke_inputs=tuple(smoke["inputs"]),
+        min_cosine=float(smoke["min_cosine"]),
+        start_timeout_s=smoke.get("start_timeout_s", 120),
+    )

@@ -1,0 +1,157 @@
+"""Load YAML with line numbers and validate it against a JSON Schema.
+
+Every error becomes one ConfigError naming the file, the key path and the line, so users never
+see a traceback for a typo.
+"""
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from .errors import ConfigError
+
+KeyPath = tuple[str | int, ...]
+
+
+def format_path(path: KeyPath) -> str:
+    """('images', 'x', 'variants', 0) -> 'images.x.variants[0]'."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that records the line of every mapping key and sequence item."""
+
+
+def _compose_positions(node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int]) -> None:
+    lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = key_node.value
+            lines[path + (key,)] = key_node.start_mark.line + 1
+            _compose_positions(value_node, path + (key,), lines)
+            lines[path + (key,)] = key_node.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _compose_positions(item, path + (index,), lines)
+
+
+def _reject_duplicate_keys(node: yaml.Node, file: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            if key_node.value in seen:
+                raise ConfigError(f"duplicate key {key_node.value!r}", file=file,
+                                  line=key_node.start_mark.line + 1)
+            seen.add(key_node.value)
+            _reject_duplicate_keys(value_node, file)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _reject_duplicate_keys(item, file)
+
+
+class YamlDocument:
+    """Parsed data plus the line of each key path, for error messages."""
+
+    def __init__(self, data: Any, lines: dict[KeyPath, int], file: str):
+        self.data, self.lines, self.file = data, lines, file
+
+    def line_of(self, path: KeyPath) -> int | None:
+        path = tuple(path)
+        while path:
+            if path in self.lines:
+                return self.lines[path]
+            path = path[:-1]
+        return self.lines.get(())
+
+    def error(self, path: KeyPath, message: str) -> ConfigError:
+        return ConfigError(message, file=self.file, key=format_path(tuple(path)), line=self.line_of(path))
+
+
+def parse_yaml(text: str, file: str) -> YamlDocument:
+    try:
+        node = yaml.compose(text, Loader=_LineLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"malformed YAML: {problem}", file=file,
+                          line=mark.line + 1 if mark else None) from None
+    if node is None:
+        raise ConfigError("the file is empty", file=file)
+    _reject_duplicate_keys(node, file)
+    lines: dict[KeyPath, int] = {}
+    _compose_positions(node, (), lines)
+    try:
+        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except (yaml.YAMLError, ValueError, TypeError) as exc:
+        raise ConfigError(f"malformed YAML: {exc}", file=file) from None
+    return YamlDocument(data, lines, file)
+
+
+def load_yaml(path: Path | str, display: str | None = None) -> YamlDocument:
+    path = Path(path)
+    file = display or str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("file not found", file=file) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read: {exc}", file=file) from None
+    return parse_yaml(text, file)
+
+
+@cache
+def schema(name: str) -> dict:
+    text = resources.files("builder").joinpath("schemas", f"{name}.schema.json").read_text("utf-8")
+    return json.loads(text)
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
+        names = ", ".join(repr(k) for k in extra)
+        hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
+        return f"unknown key {names}{hint}"
+    if error.validator == "type":
+        expected = error.validator_value
+        expected = " or ".join(expected) if isinstance(expected, list) else expected
+        hint = ""
+        if isinstance(error.instance, float) and "string" in str(expected):
+            hint = " (quote version numbers: 12.10 unquoted would read as 12.1)"
+        return f"expected {expected}, got {type(error.instance).__name__} {error.instance!r}{hint}"
+    if error.validator == "enum":
+        return f"{error.instance!r} is not one of {', '.join(map(repr, error.validator_value))}"
+    if error.validator == "required":
+        return error.message.replace("is a required property", "is required")
+    if error.validator == "pattern":
+        return f"{error.instance!r} does not match the expected form {error.validator_value}"
+    return error.message
+
+
+def validate(doc: YamlDocument, schema_name: str) -> None:
+    """Raise one ConfigError for the most relevant schema violation."""
+    validator = jsonschema.Draft202012Validator(schema(schema_name))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(doc.data))
+    if error is None:
+        return
+    # For anyOf/oneOf pick the deepest sub-error: it names the real key.
+    while error.context:
+        error = jsonschema.exceptions.best_match(error.context)
+    path = tuple(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        if extra:
+            path = path + (extra[0],)
+    raise doc.error(path, _describe(error))
