@@ -18,7 +18,7 @@ VENV="$REPO/.venv"
 STAMP="$VENV/.mopt-setup-key"
 DOCKER=/usr/bin/docker
 DOCKERD_LOG=/var/log/dockerd.log
-T0=$SECONDS
+T0=$(date +%s.%N)
 
 say()  { printf '[setup] %s\n' "$*"; }
 die()  { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -154,7 +154,10 @@ setup_venv() {
     fi
     say "venv: pip install -e '.[test,runtime]' (quiet; can take a few minutes)"
     rm -f "$STAMP"
-    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,runtime]')
+    # This machine's pip.conf names index directories that may not exist; pip then warns once per
+    # package ("Location ... is ignored"). Drop just that noise, keep every other message.
+    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,runtime]') \
+        2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2 || true)
     echo "$key" >"$STAMP"
     say "venv: installed"
 }
@@ -167,4 +170,4 @@ else
 fi
 start_dockerd
 setup_venv
-say "done in $((SECONDS - T0))s"
+say "done in $(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')s"
