@@ -221,7 +221,7 @@ def normalize_sm(value: object) -> str:
         digits, suffix = m.group(1), m.group(2)
         major, minor = int(digits[:-1]), digits[-1]
     if major < 1 or (m.re is _CC_RE and major > 19):
-        raise ConfigError(f"not a GPU architecture (sm): {value!r}; compute capability major must be >= 1")
+        raise ConfigError(f"not a GPU architecture (sm): {value!r}; compute capability major must be 1..19")
     return f"{major}{minor}{suffix}"
 
 
