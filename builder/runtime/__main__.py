@@ -1,0 +1,143 @@
+"""CLI: compile | check | serve | make-tiny-qwen3. Exit codes: 0 ok, 2 bad input, 3 engine does
+not fit this host (guard), 4 compile failed; user errors print one line, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .errors import RuntimeToolError, UsageError
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _load_json_arg(flag: str, text: str | None, expect: type):
+    if text is None:
+        return None
+    try:
+        value = json.loads(Path(text).read_text() if expect is list else text)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    if not isinstance(value, expect) or (expect is list and not all(isinstance(x, str) for x in value)):
+        raise UsageError(f"{flag}: expected a JSON {'list of strings' if expect is list else 'object'}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mopt_runtime", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile an engine + engine.json + reference.json")
+    c.add_argument("--model", required=True, help="Hugging Face model dir (config.json, tokenizer.json)")
+    c.add_argument("--out", required=True, help="output dir: engine/, engine.json, reference.json")
+    c.add_argument("--backend", default="torch-aot")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    c.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    c.add_argument("--max-batch", type=int, default=32)
+    c.add_argument("--max-seq-len", type=int, default=512)
+    c.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean")
+    c.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True)
+    c.add_argument("--instruction", default=None, help="task for queries: 'Instruct: {task}\\nQuery:{q}'")
+    c.add_argument("--target-sm", default=None, help="expected GPU arch, e.g. 90 (must match the GPU)")
+    c.add_argument("--image-info", default=None, help="JSON: repository, tag, tag_template, tags_by_sm")
+    c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
+    c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
+    c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="load the engine after compiling and compare it with the reference")
+
+    k = sub.add_parser("check", help="run the start-up guard only (exit 3 on mismatch)")
+    k.add_argument("--engine-dir", required=True)
+
+    s = sub.add_parser("serve", help="guard, then serve POST /v1/embeddings, /health, /metrics")
+    s.add_argument("--engine-dir", required=True)
+    s.add_argument("--host", default=os.environ.get("MOPT_HOST", "0.0.0.0"))
+    s.add_argument("--port", type=int, default=_env_int("MOPT_PORT", 8000))
+    s.add_argument("--max-batch", type=int, default=_env_int("MOPT_MAX_BATCH", None),
+                   help="inputs per engine call (default: the engine's max_batch)")
+    s.add_argument("--max-wait-ms", type=float, default=float(os.environ.get("MOPT_MAX_WAIT_MS", "5")))
+    s.add_argument("--max-inputs", type=int, default=_env_int("MOPT_MAX_INPUTS", 256))
+    s.add_argument("--max-input-tokens", type=int, default=_env_int("MOPT_MAX_INPUT_TOKENS", None),
+                   help="default and ceiling: the engine's max_seq_len")
+    s.add_argument("--max-body-bytes", type=int, default=_env_int("MOPT_MAX_BODY_BYTES", 4 << 20))
+
+    t = sub.add_parser("make-tiny-qwen3", help="write a tiny random Qwen3 checkpoint + tokenizer")
+    t.add_argument("--out", required=True)
+    t.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def cmd_compile(a) -> dict:
+    from .compiler import compile_engine
+    from .params import EngineParams
+
+    image = _load_json_arg("--image-info", a.image_info, dict)
+    texts = _load_json_arg("--reference-texts", a.reference_texts, list)
+    model = Path(a.model)
+    if not model.is_dir():
+        raise UsageError(f"--model {model}: not a directory")
+    params = EngineParams(backend=a.backend, device=a.device, precision=a.precision, max_batch=a.max_batch,
+                          max_seq_len=a.max_seq_len, pooling=a.pooling, normalize=a.normalize,
+                          instruction=a.instruction, model_dir=str(model.resolve()),
+                          model_name=a.model_name or (image or {}).get("repository") or model.resolve().name)
+    return compile_engine(model, a.out, params, target_sm=a.target_sm, image=image,
+                          reference_texts=texts, verify=a.verify)
+
+
+def cmd_check(a) -> dict:
+    from .guard import resolve
+
+    engine_dir, data = resolve(a.engine_dir)
+    return {"status": "ok", "engine_dir": str(engine_dir), "backend": data["backend"],
+            "device": data["device"], "target_sm": data["target_sm"], "engine_sha256": data["engine_sha256"]}
+
+
+def cmd_serve(a) -> None:
+    from .engine import Engine
+    from .guard import resolve
+    from .server import EmbeddingService, ServerLimits, serve
+
+    engine_dir, _ = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+    engine = Engine.open(engine_dir)
+    limits = ServerLimits(max_batch=a.max_batch or engine.params.max_batch, max_wait_ms=a.max_wait_ms,
+                          max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
+                          max_body_bytes=a.max_body_bytes)
+    if limits.max_batch < 1 or limits.max_inputs < 1:
+        raise UsageError("--max-batch and --max-inputs must be >= 1")
+    serve(EmbeddingService(engine, limits), a.host, a.port)
+
+
+def cmd_tiny(a) -> dict:
+    from .fingerprint import sha256_file
+    from .tiny_qwen3 import make_tiny_qwen3
+
+    out = make_tiny_qwen3(a.out, a.seed)
+    return {"out": str(out), "seed": a.seed, "model_sha256": sha256_file(out / "model.safetensors")}
+
+
+COMMANDS = {"compile": cmd_compile, "check": cmd_check, "serve": cmd_serve, "make-tiny-qwen3": cmd_tiny}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MOPT_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        result = COMMANDS[args.command](args)
+    except RuntimeToolError as err:
+        print(f"error: {err.message}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+    if result is not None:
+        print(json.dumps(result, sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

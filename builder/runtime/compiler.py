@@ -1,0 +1,112 @@
+"""The compile step: engine + tokenizer files + engine.json + fp32 reference, all in one OUT dir.
+
+OUT/engine/        compiled artifact, tokenizer files, config.json (all that serving needs)
+OUT/engine.json    fingerprint (fingerprint.py)
+OUT/reference.json texts + fp32 eager embeddings from transformers, same process and host
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from . import fingerprint
+from .backends import get_backend
+from .errors import CompileError, UsageError
+from .hostinfo import host_facts
+from .params import EngineParams
+from .tokenization import copy_tokenizer_files
+
+REFERENCE_JSON = "reference.json"
+DEFAULT_TEXTS = (
+    "What is the capital of France?",
+    "Paris is the capital and largest city of France.",
+    "A GPU inference image must match the host's compute capability.",
+    "hello world",
+)
+
+
+def _check_inputs(model_dir: Path, params: EngineParams, target_sm: str | None, facts) -> None:
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"--model {model_dir}: no config.json there (expected a Hugging Face model dir)")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise UsageError(f"--model {model_dir}: no tokenizer.json there (a fast tokenizer is required)")
+    if params.device == "cpu" and target_sm:
+        raise UsageError("--target-sm applies to --device cuda only")
+    if params.device == "cuda":
+        if facts.sm is None:
+            raise UsageError("--device cuda but torch sees no CUDA GPU on this host")
+        if target_sm and str(target_sm) != facts.sm:
+            # Engines are compiled on the arch they target; never cross-compile silently.
+            raise UsageError(f"--target-sm {target_sm} but this host's GPU is sm_{facts.sm} "
+                             f"({facts.gpu_name}); compile on an sm_{target_sm} GPU")
+
+
+def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EngineParams, *,
+                   target_sm: str | None = None, image: dict | None = None,
+                   reference_texts: list[str] | None = None, verify: bool = True,
+                   extra: dict | None = None) -> dict:
+    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir)
+    facts = host_facts()
+    _check_inputs(model_dir, params, target_sm, facts)
+    backend = get_backend(params.backend)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine_dir = out_dir / fingerprint.ENGINE_SUBDIR
+    staging = out_dir / ".engine.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    (out_dir / fingerprint.ENGINE_JSON).unlink(missing_ok=True)  # no stale fingerprint on failure
+
+    started = time.monotonic()
+    try:
+        info = backend.compile(str(model_dir), params, staging)
+    except Exception as exc:
+        raise CompileError(f"{params.backend} compile of {model_dir} failed: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    compile_seconds = round(time.monotonic() - started, 2)
+    copy_tokenizer_files(model_dir, staging)
+    shutil.copyfile(model_dir / "config.json", staging / "config.json")
+    shutil.rmtree(engine_dir, ignore_errors=True)
+    staging.rename(engine_dir)
+
+    files = fingerprint.file_hashes(engine_dir)
+    data = {
+        "backend": params.backend, "backend_version": backend.version(),
+        "torch": facts.torch, "cuda": facts.cuda, "tensorrt": facts.tensorrt,
+        "device": params.device,
+        "target_sm": facts.sm if params.device == "cuda" else None,
+        "gpu_name": facts.gpu_name if params.device == "cuda" else None,
+        "driver": facts.driver if params.device == "cuda" else None,
+        "engine_files": files, "engine_sha256": files[info["artifact"]], "artifact": info["artifact"],
+        "embedding_dim": info["embedding_dim"], "export_dims": info.get("export_dims"),
+        "model_digest": fingerprint.model_digest(model_dir),
+        "params": params.to_dict(), "image": image, "compile_seconds": compile_seconds,
+        **(extra or {}),
+    }
+    texts = list(reference_texts) if reference_texts else list(DEFAULT_TEXTS)
+    ref = {"texts": texts, "source": "transformers eager fp32, one text per call (unpadded)",
+           "pooling": params.pooling, "normalize": params.normalize,
+           "embeddings": backend.reference(str(model_dir), texts, params)}
+    if verify:
+        ref["engine_min_cosine"] = _verify(out_dir, data, params, texts, ref["embeddings"])
+    (out_dir / REFERENCE_JSON).write_text(json.dumps(ref) + "\n")
+    fingerprint.write(out_dir, data)  # last: its presence means the engine dir is complete
+    return {"engine_dir": str(out_dir), "backend": params.backend, "device": params.device,
+            "target_sm": data["target_sm"], "engine_sha256": data["engine_sha256"],
+            "compile_seconds": compile_seconds, "embedding_dim": data["embedding_dim"],
+            "engine_min_cosine": ref.get("engine_min_cosine")}
+
+
+def _verify(out_dir: Path, data: dict, params: EngineParams, texts, expected) -> float:
+    from .engine import Engine
+
+    got = Engine.from_info(out_dir, data, params).embed_texts(texts)
+    return round(min(cosine(a, b) for a, b in zip(got, expected, strict=True)), 6)
+
+
+def cosine(a, b) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    na = sum(x * x for x in a) ** 0.5
+    nb = sum(y * y for y in b) ** 0.5
+    return dot / (na * nb) if na and nb else 0.0

@@ -1,0 +1,64 @@
+"""A loaded engine: tokenizer + compiled callable + the shape policy (buckets, batch splits)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import fingerprint
+from .backends import get_backend
+from .params import SEQ_BUCKET, EngineParams
+from .tokenization import TextEncoder
+
+
+def bucket_len(n: int, max_seq_len: int) -> int:
+    # Round up to a multiple of SEQ_BUCKET (>= 2: the export's lower bound), capped at max_seq_len.
+    return min(max(SEQ_BUCKET, -(-n // SEQ_BUCKET) * SEQ_BUCKET), max_seq_len)
+
+
+@dataclass
+class Engine:
+    params: EngineParams
+    encoder: TextEncoder
+    run: object  # callable(input_ids, attention_mask) -> float32 tensor [batch, dim]
+    info: dict
+
+    @classmethod
+    def open(cls, out_dir: str | Path, params: EngineParams | None = None) -> Engine:
+        return cls.from_info(out_dir, fingerprint.read(out_dir), params)
+
+    @classmethod
+    def from_info(cls, out_dir: str | Path, info: dict, params: EngineParams | None = None) -> Engine:
+        params = params or EngineParams.from_dict(info["params"])
+        engine_dir = Path(out_dir) / fingerprint.ENGINE_SUBDIR
+        encoder = TextEncoder(engine_dir, params.pooling, params.instruction)
+        run = get_backend(params.backend).load(engine_dir, params)
+        return cls(params, encoder, run, info)
+
+    @property
+    def dim(self) -> int:
+        return int(self.info["embedding_dim"])
+
+    def embed_ids(self, seqs: list[list[int]]) -> list[list[float]]:
+        import torch
+
+        too_long = [i for i, s in enumerate(seqs) if len(s) > self.params.max_seq_len]
+        if too_long:
+            raise ValueError(f"inputs {too_long} exceed the engine's max_seq_len {self.params.max_seq_len}")
+        out: list[list[float] | None] = [None] * len(seqs)
+        # Group similar lengths so padding stays small; each group is at most max_batch rows.
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        step = self.params.max_batch
+        for start in range(0, len(order), step):
+            idx = order[start:start + step]
+            length = bucket_len(max(len(seqs[i]) for i in idx), self.params.max_seq_len)
+            batch = self.encoder.pad([seqs[i] for i in idx], length)
+            emb = self.run(torch.tensor(batch.input_ids, dtype=torch.long),
+                           torch.tensor(batch.attention_mask, dtype=torch.long))
+            for row, i in enumerate(idx):
+                out[i] = emb[row].tolist()
+        return out
+
+    def embed_texts(self, texts: list[str], query: bool = False) -> list[list[float]]:
+        if query:
+            texts = [self.encoder.format_query(t) for t in texts]
+        return self.embed_ids(self.encoder.encode(texts))

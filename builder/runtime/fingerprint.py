@@ -1,0 +1,74 @@
+"""engine.json: what an engine was built from and for, and the sha256 of every engine file."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from . import SCHEMA_VERSION
+from .errors import GuardError
+
+ENGINE_JSON = "engine.json"
+ENGINE_SUBDIR = "engine"
+REQUIRED = ("schema_version", "backend", "backend_version", "torch", "cuda", "tensorrt", "device",
+            "target_sm", "gpu_name", "driver", "engine_files", "engine_sha256", "model_digest",
+            "params", "image", "compile_seconds")
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def file_hashes(root: str | Path) -> dict[str, str]:
+    root = Path(root)
+    return {rel: sha256_file(root / rel) for rel in _files(root)}
+
+
+def model_digest(model_dir: str | Path) -> str:
+    """sha256 over sorted relative paths and contents, so renames and edits both change it."""
+    root = Path(model_dir)
+    h = hashlib.sha256()
+    for rel in _files(root):
+        if rel.startswith(".cache/"):  # huggingface_hub download bookkeeping, not model content
+            continue
+        h.update(rel.encode() + b"\0")
+        h.update(sha256_file(root / rel).encode() + b"\n")
+    return h.hexdigest()
+
+
+def write(out_dir: str | Path, data: dict) -> Path:
+    data = {**data, "schema_version": SCHEMA_VERSION}
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"engine.json is missing {missing}")
+    path = Path(out_dir) / ENGINE_JSON
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # atomic: a reader never sees half a fingerprint
+    return path
+
+
+def read(engine_dir: str | Path) -> dict:
+    path = Path(engine_dir) / ENGINE_JSON
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise GuardError(f"{path} not found: not an engine directory") from None
+    except json.JSONDecodeError as exc:
+        raise GuardError(f"{path} is not valid JSON ({exc})") from None
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise GuardError(f"{path} lacks fields {missing}")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise GuardError(f"{path} has schema_version {data['schema_version']}, this runtime reads "
+                         f"{SCHEMA_VERSION}")
+    return data

@@ -1,0 +1,146 @@
+"""Start-up guard: refuse an engine that was altered or does not fit this host, and say which
+image tag would fit. Opt-in (MOPT_RECOMPILE_ON_MISMATCH=1 + MOPT_ENGINE_CACHE) recompiles instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from . import fingerprint
+from .backends import get_backend
+from .errors import GuardError
+from .hostinfo import HostFacts, host_facts
+from .params import EngineParams
+
+ENV_RECOMPILE = "MOPT_RECOMPILE_ON_MISMATCH"
+ENV_CACHE = "MOPT_ENGINE_CACHE"
+
+
+class EngineMismatch(GuardError):
+    """The engine is intact but was built for another GPU or software stack (recompilable)."""
+
+
+def _integrity(out_dir: Path, data: dict) -> None:
+    engine_dir = out_dir / fingerprint.ENGINE_SUBDIR
+    bad = []
+    for rel, want in sorted(data["engine_files"].items()):
+        path = engine_dir / rel
+        if not path.is_file():
+            bad.append(f"{rel} is missing")
+        elif fingerprint.sha256_file(path) != want:
+            bad.append(f"{rel} sha256 differs from engine.json")
+    artifact = data.get("artifact")
+    if artifact and data["engine_files"].get(artifact) != data["engine_sha256"]:
+        bad.append(f"engine_sha256 in engine.json does not match the recorded sha256 of {artifact}")
+    if bad:
+        raise GuardError(f"engine in {engine_dir} failed its integrity check: {'; '.join(bad)}; "
+                         "rebuild or re-pull the image")
+
+
+def _sm_label(sm: str | None, name: str | None) -> str:
+    return f"sm_{sm} ({name})" if name else f"sm_{sm}"
+
+
+def fitting_tag(image: dict | None, facts: HostFacts) -> str:
+    """Advice naming the published tag that fits this host, or saying plainly that none does."""
+    if not image or not image.get("repository"):
+        return ("no image info in engine.json to name a fitting tag; recompile on this host "
+                f"(compile) or set {ENV_RECOMPILE}=1 and {ENV_CACHE}=/path")
+    repo, by_sm = image["repository"], image.get("tags_by_sm") or {}
+    key = facts.sm or "cpu"
+    host = f"sm_{facts.sm}" if facts.sm else "a host without a CUDA GPU"
+    if key in by_sm:
+        return f"pull {repo}:{by_sm[key]}"
+    if by_sm:
+        published = ", ".join(f"sm_{k}" if k != "cpu" else "cpu" for k in sorted(by_sm))
+        return f"no published tag of {repo} fits {host} (published: {published})"
+    template = image.get("tag_template")
+    if template and facts.sm and facts.cuda:
+        try:
+            tag = template.format(cuda=facts.cuda.replace(".", ""), sm=facts.sm)
+        except (KeyError, IndexError, ValueError):
+            tag = None
+        if tag:
+            return f"no list of published tags; the tag for this host would be {repo}:{tag} if it exists"
+    return f"no published tag of {repo} is known to fit {host}"
+
+
+def _environment(data: dict, facts: HostFacts) -> list[str]:
+    diffs = []
+    if data["device"] == "cuda":
+        built = _sm_label(data["target_sm"], data.get("gpu_name"))
+        if facts.sm is None:
+            diffs.append(f"engine built for {built} but this host has no usable CUDA GPU")
+        elif facts.sm != str(data["target_sm"]):
+            diffs.append(f"engine built for {built} but this host's GPU is "
+                         f"{_sm_label(facts.sm, facts.gpu_name)}")
+    if data["torch"] != facts.torch:
+        diffs.append(f"engine built with torch {data['torch']} but this host runs torch {facts.torch}")
+    if data["cuda"] != facts.cuda:
+        diffs.append(f"engine built with CUDA {data['cuda']} but this host's torch has CUDA {facts.cuda}")
+    if data["tensorrt"] != facts.tensorrt:
+        diffs.append(f"engine built with TensorRT {data['tensorrt']} but this host has {facts.tensorrt}")
+    backend_version = get_backend(data["backend"]).version()
+    # torch-aot's version is torch's, already reported above.
+    if data["backend_version"] != backend_version and backend_version != facts.torch:
+        diffs.append(f"engine built with {data['backend']} {data['backend_version']} "
+                     f"but this host has {backend_version}")
+    return diffs
+
+
+def check(out_dir: str | Path, facts: HostFacts | None = None) -> dict:
+    """Return engine.json if the engine may be served here; raise GuardError otherwise."""
+    out_dir = Path(out_dir)
+    data = fingerprint.read(out_dir)
+    _integrity(out_dir, data)
+    facts = facts or host_facts()
+    diffs = _environment(data, facts)
+    if diffs:
+        raise EngineMismatch(f"{'; '.join(diffs)}: {fitting_tag(data.get('image'), facts)}")
+    return data
+
+
+def resolve(out_dir: str | Path, env=None, facts: HostFacts | None = None) -> tuple[Path, dict]:
+    """The engine dir to serve: the given one if it fits, else (opt-in) a cached recompile."""
+    env = os.environ if env is None else env
+    try:
+        return Path(out_dir), check(out_dir, facts)
+    except EngineMismatch as err:
+        if env.get(ENV_RECOMPILE) != "1":
+            raise
+        cache = env.get(ENV_CACHE)
+        if not cache:
+            raise GuardError(f"{err.message}; {ENV_RECOMPILE}=1 also needs {ENV_CACHE}=/path") from None
+        return _recompile(Path(out_dir), Path(cache), facts or host_facts(), err)
+
+
+def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) -> tuple[Path, dict]:
+    from .compiler import REFERENCE_JSON, compile_engine
+
+    data = fingerprint.read(out_dir)
+    old = EngineParams.from_dict(data["params"])
+    model_dir = old.model_dir
+    if not model_dir or not Path(model_dir).is_dir():
+        raise GuardError(f"{err.message}; cannot recompile: model dir {model_dir!r} is not present") from None
+    if fingerprint.model_digest(model_dir) != data["model_digest"]:
+        raise GuardError(f"{err.message}; cannot recompile: the model in {model_dir} differs from "
+                         "the one this engine was built from") from None
+    device = "cuda" if facts.sm else "cpu"
+    params = EngineParams.from_dict({**old.to_dict(), "device": device,
+                                     "precision": old.precision if device == "cuda" else "fp32"})
+    key_src = {"model": data["model_digest"], "params": params.to_dict(), "host": facts.to_dict()}
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
+    target = cache / key
+    try:
+        return target, check(target, facts)  # a valid engine from an earlier start
+    except GuardError:
+        pass
+    texts = None
+    ref = out_dir / REFERENCE_JSON
+    if ref.is_file():
+        texts = json.loads(ref.read_text()).get("texts")
+    compile_engine(model_dir, target, params, image=data.get("image"), reference_texts=texts,
+                   extra={"recompiled_from": str(out_dir.resolve()), "recompile_reason": err.message})
+    return target, check(target, facts)
