@@ -101,18 +101,22 @@ def _expand(flavour: Flavour) -> list[dict]:
 
 
 def _pick_newest(matrix: Matrix, flavour: Flavour, combo: dict) -> list[str]:
-    """Fill each `newest` axis with the newest value compatible with the rest; reasons if none."""
+    """Fill each `newest` axis with the newest value compatible with the rest; reasons if none.
+
+    A value the knowledge base confirms beats a newer one it only warns about (UNCONFIRMED rows).
+    """
+    base_verdict = _check(_combo(combo))
+    if not base_verdict.compatible:
+        return list(base_verdict.reasons)  # nothing to pick can fix the crossed axes
     for axis in flavour.newest:
         candidates = sorted(matrix.axes[axis], key=Version, reverse=True)
-        tried = []
-        for value in candidates:
-            verdict = _check(_combo(combo | {axis: value}))
-            if verdict.compatible:
-                combo[axis] = value
-                break
-            tried.append(f"{axis} {value}: " + "; ".join(verdict.reasons))
-        else:
-            return [f"no {axis} in axes.{axis} is compatible with this combination ({' | '.join(tried)})"]
+        verdicts = [(value, _check(_combo(combo | {axis: value}))) for value in candidates]
+        compatible = [(value, v) for value, v in verdicts if v.compatible]
+        if not compatible:
+            reasons = dict.fromkeys(r for _, v in verdicts for r in v.reasons)
+            return [f"no {axis} in axes.{axis} ({', '.join(candidates)}) fits: " + " ".join(reasons)]
+        confirmed = [value for value, v in compatible if not v.warnings]
+        combo[axis] = confirmed[0] if confirmed else compatible[0][0]
     return []
 
 

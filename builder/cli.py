@@ -1,0 +1,176 @@
+"""The mopt command line: a stable contract for CI and other tools.
+
+Exit codes: 0 ok; 2 bad input; 3 incompatible combination; 4 build; 5 smoke test; 6 publish;
+7 host environment. User errors print one line, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import __version__
+from .errors import ConfigError, IncompatibleError, MoptError
+
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+stdout = Console(highlight=False, soft_wrap=True)
+
+DEFAULT_MATRIX = "matrix.yaml"
+
+
+def _echo_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def _load(matrix_path: str):
+    from .matrix import load_matrix
+
+    return load_matrix(Path(matrix_path))
+
+
+def _plan(matrix_path: str, select: tuple[str, ...]):
+    from .plan import make_plan
+
+    matrix = _load(matrix_path)
+    return matrix, make_plan(matrix, tuple(select))
+
+
+matrix_option = click.option("--matrix", "matrix_path", default=lambda: os.environ.get("MOPT_MATRIX", DEFAULT_MATRIX),
+                             show_default="matrix.yaml or $MOPT_MATRIX", help="The matrix file.")
+select_option = click.option("--select", multiple=True, metavar="GLOB",
+                             help="Only variants whose id matches this fnmatch glob (repeatable).")
+format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
+                             show_default=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mopt")
+def cli() -> None:
+    """Build GPU inference images from a version matrix: plan, render, build, test, publish."""
+
+
+@cli.command()
+@matrix_option
+@select_option
+@format_option
+def plan(matrix_path: str, select: tuple[str, ...], fmt: str) -> None:
+    """Expand the matrix into variants; list rejected combinations with their reasons."""
+    _, result = _plan(matrix_path, select)
+    if fmt == "json":
+        _echo_json(result.to_json())
+        return
+    table = Table(title=f"{len(result.variants)} variants from {result.combinations} combinations")
+    table.add_column("id", no_wrap=True)
+    for column in ("backend", "cuda", "sm", "version", "torch", "min driver"):
+        table.add_column(column, no_wrap=True)
+    for v in result.variants:
+        r = v.resolved
+        table.add_row(v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-", str(r.get("backend_version")),
+                      r.get("torch") or "-", r.get("min_driver") or "-")
+    stdout.print(table)
+    if result.rejected:
+        rejected = Table(title=f"{len(result.rejected)} rejected")
+        rejected.add_column("would be", no_wrap=True)
+        rejected.add_column("why")
+        for r in result.rejected:
+            rejected.add_row(r.id, "\n".join(r.reasons))
+        stdout.print(rejected)
+    for warning in result.warnings:
+        stderr.print(f"[yellow]warning:[/] {escape(warning)}")
+
+
+@cli.command()
+@click.option("--cuda", help="CUDA version, e.g. 12.1")
+@click.option("--sm", help="GPU arch: 86, 8.6 or sm_86")
+@click.option("--tensorrt", help="TensorRT version")
+@click.option("--tensorrt-llm", "tensorrt_llm", help="TensorRT-LLM version")
+@click.option("--vllm", help="vLLM version")
+@click.option("--torch", help="PyTorch version")
+@click.option("--driver", help="Host driver: a branch (535) or a version (550.54.14)")
+@click.option("--python", help="Python version")
+@format_option
+def compat(fmt: str, **values) -> None:
+    """Check one combination: exit 0 compatible, 3 incompatible (reasons printed), 2 bad input."""
+    from . import compat as kb
+    from .versions import normalize_sm
+
+    if not any(values.values()):
+        raise ConfigError("give at least one of --cuda, --sm, --tensorrt, --tensorrt-llm, --vllm, --torch, --driver")
+    if values["sm"] is not None:
+        values["sm"] = normalize_sm(values["sm"])
+    verdict = kb.check(kb.Combo(**values))
+    if fmt == "json":
+        _echo_json({"compatible": verdict.compatible, "reasons": list(verdict.reasons),
+                    "warnings": list(verdict.warnings), "resolved": verdict.resolved})
+    else:
+        if verdict.compatible:
+            stdout.print("[green]compatible[/]")
+        for reason in verdict.reasons:
+            stdout.print(f"[red]incompatible:[/] {escape(reason)}")
+        for warning in verdict.warnings:
+            stderr.print(f"[yellow]warning:[/] {escape(warning)}")
+        if verdict.resolved:
+            stdout.print("resolved: " + ", ".join(f"{k}={v}" for k, v in sorted(verdict.resolved.items())))
+    if not verdict.compatible:
+        raise IncompatibleError("")
+
+
+@cli.command()
+@matrix_option
+@select_option
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory to write one sub-directory per variant into.")
+def render(matrix_path: str, select: tuple[str, ...], out: Path) -> None:
+    """Render Dockerfiles, compile script and build manifest per variant (byte-identical on re-run)."""
+    from .render import render as render_all
+
+    matrix, result = _plan(matrix_path, select)
+    from .plan import make_plan
+
+    full = make_plan(matrix) if select else result
+    directories = render_all(matrix, result.variants, out, all_variants=full.variants)
+    for directory in directories:
+        click.echo(str(directory))
+    stderr.print(f"rendered {len(directories)} variants into {out}")
+
+
+@cli.command("matrix")
+@matrix_option
+@select_option
+@click.option("--github", is_flag=True, required=True, help="Print a GitHub Actions strategy.matrix.")
+def matrix_cmd(matrix_path: str, select: tuple[str, ...], github: bool) -> None:
+    """Print the plan as a GitHub Actions strategy.matrix (include list with runner labels)."""
+    matrix, result = _plan(matrix_path, select)
+    include = []
+    for v in result.variants:
+        kind = "gpu" if v.device == "cuda" else "cpu"
+        labels = [label.replace("{sm}", v.resolved.get("sm") or "") for label in matrix.runners[kind]]
+        include.append({"id": v.id, "image": v.image, "tag": v.tag, "long_tag": v.long_tag,
+                        "backend": v.backend, "device": v.device, "cuda": v.resolved.get("cuda") or "",
+                        "sm": v.resolved.get("sm") or "", "runner": labels})
+    click.echo(json.dumps({"include": include}, separators=(",", ":")))
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="mopt", standalone_mode=False)
+    except MoptError as exc:
+        if exc.message:
+            stderr.print(f"[red]mopt: error:[/] {escape(exc.message)}")
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        stderr.print("mopt: aborted")
+        sys.exit(130)
+    except click.ClickException as exc:
+        stderr.print(f"mopt: error: {exc.format_message()}", markup=False)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        stderr.print("mopt: interrupted")
+        sys.exit(130)
+    sys.exit(0)

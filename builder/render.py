@@ -1,0 +1,187 @@
+"""Render Jinja2 templates into one directory per variant: Dockerfiles for each stage, the compile
+script, the compile inputs and a build manifest. Byte-identical on re-run: no timestamps, sorted
+JSON, every input named in the stage keys.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+import yaml
+
+from . import __version__
+from .errors import ConfigError
+from .matrix import Matrix
+from .plan import Variant
+
+# Inside the compile container (see templates/compile.sh.j2).
+MOUNTS = {"model": "/mopt/model", "inputs": "/mopt/inputs", "out": "/mopt/out"}
+RUNTIME_PACKAGE = Path(__file__).parent / "runtime"
+
+
+@cache
+def defaults() -> dict:
+    return yaml.safe_load(resources.files("builder").joinpath("data", "defaults.yaml").read_text("utf-8"))
+
+
+def tree_digest(root: Path, pattern: str = "**/*") -> str:
+    """sha256 over relative paths and contents, in sorted order (a context digest)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.glob(pattern) if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def sha256_text(*parts: str) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def dump_json(data) -> str:
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def _environment(templates: Path) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=False, autoescape=False)
+    env.filters["shell_quote"] = shlex.quote
+    return env
+
+
+@dataclass(frozen=True)
+class RenderedVariant:
+    variant: Variant
+    files: dict  # file name -> text
+    manifest: dict
+
+
+def _context(matrix: Matrix, variant: Variant) -> dict:
+    entry = next(e for e in matrix.images if e.name == variant.image)
+    recipe = entry.recipe
+    resolved = variant.resolved
+    cuda = resolved.get("cuda")
+    data = defaults()
+    packages = list(data["runtime_packages"]["common"]) + list(data["runtime_packages"][variant.backend])
+    cuda_nodot = cuda.replace(".", "") if cuda else ""
+    return {
+        "id": variant.id, "image": variant.image, "flavour": variant.flavour, "backend": variant.backend,
+        "device": variant.device, "repository": variant.repository, "tag": variant.tag,
+        "long_tag": variant.long_tag, "resolved": resolved, "python": resolved["python"],
+        "base": resolved["base"], "cuda_nodot": cuda_nodot, "cuda_major": cuda.split(".")[0] if cuda else "",
+        "torch_cuda_nodot": cuda_nodot, "runtime_source": resolved.get("runtime_source", "pypi"),
+        "indexes": {k: v.replace("{cuda_nodot}", cuda_nodot) for k, v in data["indexes"].items()},
+        "packages": packages, "vllm_cpu_remove": data["vllm_cpu_remove"], "user": data["user"],
+        "paths": data["paths"], "mounts": MOUNTS, "engine": recipe.engine,
+        "precision": recipe.precision_for(variant.device), "pooling": recipe.pooling,
+        "normalize": recipe.normalize, "instruction": recipe.instruction, "description": recipe.description,
+        "license": recipe.license, "source_url": recipe.source_url, "model_source": recipe.model.text,
+        "serve_command": list(recipe.serve_command), "port": recipe.port,
+    }
+
+
+def _render_template(env: jinja2.Environment, name: str, context: dict) -> str:
+    try:
+        return env.get_template(name).render(**context)
+    except jinja2.TemplateNotFound as exc:
+        raise ConfigError(f"template not found: {exc.name}", file=f"templates/{name}") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"template syntax error: {exc.message}", file=f"templates/{exc.name or name}",
+                          line=exc.lineno) from None
+    except jinja2.UndefinedError as exc:
+        raise ConfigError(f"template variable error: {exc.message}", file=f"templates/{name}") from None
+
+
+def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_digest: str,
+                   siblings: tuple[Variant, ...] = ()) -> RenderedVariant:
+    """siblings: every planned variant of the same image and flavour (the guard names their tags)."""
+    env = _environment(templates)
+    context = _context(matrix, variant)
+    entry = next(e for e in matrix.images if e.name == variant.image)
+    recipe = entry.recipe
+    files = {
+        "Dockerfile.base": _render_template(env, "base.Dockerfile.j2", context),
+        "Dockerfile.runtime": _render_template(env, f"runtime-{variant.backend}.Dockerfile.j2", context),
+        "compile.sh": _render_template(env, "compile.sh.j2", context),
+        "Dockerfile.final": _render_template(env, "final.Dockerfile.j2", context),
+    }
+    same_flavour = [v for v in (*siblings, variant) if v.image == variant.image and v.flavour == variant.flavour]
+    image_info = {"repository": variant.repository, "tag": variant.tag, "long_tag": variant.long_tag,
+                  "tag_template": next(f.tag for f in entry.flavours if f.name == variant.flavour),
+                  "tags_by_sm": {v.resolved["sm"]: v.tag for v in same_flavour if v.resolved.get("sm")}}
+    files["image-info.json"] = dump_json(image_info)
+    files["smoke-inputs.json"] = dump_json(list(recipe.smoke_inputs))
+    base_key = sha256_text("base", files["Dockerfile.base"])
+    runtime_key = sha256_text("runtime", base_key, files["Dockerfile.runtime"], runtime_digest)
+    compile_key = sha256_text("compile", runtime_key, files["compile.sh"], files["image-info.json"],
+                              files["smoke-inputs.json"], recipe.digest)
+    final_key = sha256_text("final", compile_key, files["Dockerfile.final"])
+    manifest = {
+        "schema": 1,
+        "mopt_version": __version__,
+        "id": variant.id,
+        "image": variant.image,
+        "flavour": variant.flavour,
+        "repository": variant.repository,
+        "tag": variant.tag,
+        "long_tag": variant.long_tag,
+        "backend": variant.backend,
+        "device": variant.device,
+        "axes": variant.axes,
+        "resolved": variant.resolved,
+        "recipe": {"path": str(recipe.path.relative_to(matrix.path.parent.resolve()))
+                   if recipe.path.is_relative_to(matrix.path.parent.resolve()) else str(recipe.path),
+                   "digest": recipe.digest},
+        "model": {"source": recipe.model.text, "dimension": recipe.dimension,
+                  "substitute": recipe.substitute.text if recipe.substitute else None,
+                  "substitute_dimension": recipe.substitute_dimension},
+        "engine": {"max_batch": recipe.engine.max_batch, "max_seq_len": recipe.engine.max_seq_len,
+                   "precision": recipe.precision_for(variant.device), "shapes": recipe.engine.shapes,
+                   "pooling": recipe.pooling, "normalize": recipe.normalize},
+        "smoke": {"inputs": list(recipe.smoke_inputs), "min_cosine": recipe.min_cosine,
+                  "start_timeout_s": recipe.start_timeout_s, "port": recipe.port},
+        "context": {"mopt_runtime": runtime_digest},
+        # Render-time keys; the build folds in the digests of parents it actually used.
+        "stages": [
+            {"name": "base", "file": "Dockerfile.base", "from": variant.resolved["base"]["ref"],
+             "base_kind": variant.resolved["base"]["kind"], "key": base_key},
+            {"name": "runtime", "file": "Dockerfile.runtime", "parent": "base", "context": ["mopt_runtime"],
+             "key": runtime_key},
+            {"name": "compile", "file": "compile.sh", "parent": "runtime", "gpu": variant.device == "cuda",
+             "key": compile_key},
+            {"name": "final", "file": "Dockerfile.final", "parent": "runtime", "key": final_key},
+        ],
+    }
+    files["manifest.json"] = dump_json(manifest)
+    return RenderedVariant(variant=variant, files=files, manifest=manifest)
+
+
+def render(matrix: Matrix, variants: tuple[Variant, ...], out: Path, templates: Path | None = None,
+           all_variants: tuple[Variant, ...] = ()) -> list[Path]:
+    """Write one directory per variant under out/<image>/<tag>/; returns the directories.
+
+    all_variants: the whole plan, not just the selection, so each engine knows every tag of its flavour.
+    """
+    templates = templates or matrix.path.parent / "templates"
+    if not templates.is_dir():
+        raise ConfigError("templates directory not found", file=str(templates))
+    runtime_digest = tree_digest(RUNTIME_PACKAGE, "**/*.py")
+    rendered = [render_variant(matrix, v, templates, runtime_digest, all_variants or variants) for v in variants]
+    directories = []
+    for item in rendered:  # everything rendered before anything is written: no half-rendered tree
+        directory = out / item.variant.image / item.variant.tag
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in item.files.items():
+            path = directory / name
+            if not path.exists() or path.read_text("utf-8") != text:
+                path.write_text(text, encoding="utf-8")
+        directories.append(directory)
+    return directories

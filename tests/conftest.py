@@ -1,0 +1,34 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A copy of the shipped matrix, recipes and templates that a test may edit."""
+    for name in ("matrix.yaml", "images", "templates"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, tmp_path / name)
+        else:
+            shutil.copy(src, tmp_path / name)
+    return tmp_path
+
+
+def run_mopt(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a subprocess (exit codes and stderr as users see them)."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop("MOPT_MATRIX", None)
+    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=cwd or REPO, env=full_env,
+                          capture_output=True, text=True, timeout=120)
