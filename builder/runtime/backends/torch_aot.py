@@ -11,6 +11,7 @@ from ..pooling import EmbeddingModule, load_body
 from ..tokenization import TextEncoder
 
 ARTIFACT = "model.pt2"
+VERSION_IS_TORCH = True  # the guard's torch check covers the backend version
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
 
