@@ -113,7 +113,9 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         "compile.sh": _render_template(env, "compile.sh.j2", context),
         "Dockerfile.final": _render_template(env, "final.Dockerfile.j2", context),
     }
-    same_flavour = [v for v in (*siblings, variant) if v.image == variant.image and v.flavour == variant.flavour]
+    # The guard names the tag that fits a host's GPU: same image, flavour and CUDA, other sm.
+    same_flavour = [v for v in (*siblings, variant) if v.image == variant.image and v.flavour == variant.flavour
+                    and v.resolved.get("cuda") == variant.resolved.get("cuda")]
     image_info = {"repository": variant.repository, "tag": variant.tag, "long_tag": variant.long_tag,
                   "tag_template": next(f.tag for f in entry.flavours if f.name == variant.flavour),
                   "tags_by_sm": {v.resolved["sm"]: v.tag for v in same_flavour if v.resolved.get("sm")}}

@@ -1,0 +1,17 @@
+#!/bin/sh
+# Stage compile for minilm-embed:cpu: runs inside a container created from the exact runtime image
+# digest. mopt build mounts the model at
+# /mopt/model (read-only), this directory's inputs at /mopt/inputs and the output at /mopt/out.
+set -eu
+exec python -m mopt_runtime compile \
+  --backend torch-aot \
+  --device cpu \
+  --model /mopt/model \
+  --out /mopt/out \
+  --precision fp32 \
+  --max-batch 32 \
+  --max-seq-len 256 \
+  --pooling mean \
+  --normalize \
+  --image-info /mopt/inputs/image-info.json \
+  --reference-texts /mopt/inputs/smoke-inputs.json

@@ -1,0 +1,18 @@
+#!/bin/sh
+# Stage compile for qwen3-embed:cpu: runs inside a container created from the exact runtime image
+# digest. mopt build mounts the model at
+# /mopt/model (read-only), this directory's inputs at /mopt/inputs and the output at /mopt/out.
+set -eu
+exec python -m mopt_runtime compile \
+  --backend torch-aot \
+  --device cpu \
+  --model /mopt/model \
+  --out /mopt/out \
+  --precision fp32 \
+  --max-batch 64 \
+  --max-seq-len 512 \
+  --pooling last \
+  --normalize \
+  --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
+  --image-info /mopt/inputs/image-info.json \
+  --reference-texts /mopt/inputs/smoke-inputs.json

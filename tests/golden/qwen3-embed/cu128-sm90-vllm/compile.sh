@@ -1,0 +1,19 @@
+#!/bin/sh
+# Stage compile for qwen3-embed:cu128-sm90-vllm: runs inside a container created from the exact runtime image
+# digest, with the target GPU (sm_90). mopt build mounts the model at
+# /mopt/model (read-only), this directory's inputs at /mopt/inputs and the output at /mopt/out.
+set -eu
+exec python -m mopt_runtime compile \
+  --backend vllm \
+  --device cuda \
+  --model /mopt/model \
+  --out /mopt/out \
+  --precision bf16 \
+  --max-batch 64 \
+  --max-seq-len 512 \
+  --pooling last \
+  --normalize \
+  --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
+  --target-sm 90 \
+  --image-info /mopt/inputs/image-info.json \
+  --reference-texts /mopt/inputs/smoke-inputs.json

@@ -1,0 +1,89 @@
+"""The CLI contract: exit codes, JSON shapes, one-line errors without tracebacks."""
+import json
+
+from tests.conftest import run_mopt
+
+
+def test_plan_json_shape():
+    result = run_mopt("plan", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data) >= {"variants", "rejected"}
+    v = next(v for v in data["variants"] if v["id"] == "qwen3-embed:cu121-sm86")
+    assert v["image"] == "qwen3-embed" and v["tag"] == "cu121-sm86"
+    assert v["tags"][0] == "cu121-sm86" and len(v["tags"]) == 2
+    assert v["axes"] == {"cuda": "12.1", "sm": "86", "tensorrt": v["resolved"]["tensorrt"],
+                         "torch": v["resolved"]["torch"], "python": "3.10", "base": "nvidia-cuda"}
+    r = data["rejected"][0]
+    assert set(r) >= {"image", "axes", "reasons"} and r["reasons"]
+
+
+def test_plan_table_and_select():
+    result = run_mopt("plan", "--select", "minilm-embed:*")
+    assert result.returncode == 0
+    assert "minilm-embed:cpu" in result.stdout and "qwen3-embed" not in result.stdout
+
+
+def test_select_matching_nothing_exits_2():
+    result = run_mopt("plan", "--select", "nope:*")
+    assert result.returncode == 2
+    assert "matches no variant" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_compat_compatible_json():
+    result = run_mopt("compat", "--cuda", "12.8", "--sm", "sm_100", "--vllm", "0.10.0", "--format", "json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(result.stdout)
+    assert data["compatible"] is True and data["reasons"] == []
+    assert data["resolved"]["torch"] == "2.7.1" and data["resolved"]["min_driver"] == "570.26"
+
+
+def test_compat_incompatible_exit_3_prints_each_reason():
+    result = run_mopt("compat", "--cuda", "12.4", "--sm", "10.0", "--driver", "535")
+    assert result.returncode == 3
+    assert "12.8" in result.stdout  # sm_100 added in 12.8
+    assert "550.54.14" in result.stdout  # 12.4 needs driver >= 550.54.14
+    assert "Traceback" not in result.stderr
+
+
+def test_compat_sm_forms_agree():
+    outs = [json.loads(run_mopt("compat", "--cuda", "13.0", "--sm", form, "--format", "json").stdout)
+            for form in ("70", "7.0", "sm_70")]
+    assert all(o == outs[0] for o in outs) and outs[0]["compatible"] is False
+
+
+def test_compat_bad_input_exit_2():
+    for args in (["--cuda", "12.1", "--sm", "eighty-six"], ["--cuda", "twelve"], []):
+        result = run_mopt("compat", *args)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr and result.stderr.strip()
+
+
+def test_render_writes_directories(tmp_path):
+    result = run_mopt("render", "--select", "*:cpu", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for name in ("Dockerfile.base", "Dockerfile.runtime", "compile.sh", "Dockerfile.final", "manifest.json"):
+        assert (tmp_path / "minilm-embed" / "cpu" / name).is_file()
+    manifest = json.loads((tmp_path / "qwen3-embed" / "cpu" / "manifest.json").read_text())
+    assert manifest["id"] == "qwen3-embed:cpu" and [s["name"] for s in manifest["stages"]] == [
+        "base", "runtime", "compile", "final"]
+
+
+def test_matrix_github():
+    result = run_mopt("matrix", "--github")
+    assert result.returncode == 0
+    include = json.loads(result.stdout)["include"]
+    gpu = next(i for i in include if i["id"] == "qwen3-embed:cu121-sm86")
+    assert gpu["runner"] == ["self-hosted", "linux", "x64", "gpu-sm86"] and gpu["tag"] == "cu121-sm86"
+    cpu = next(i for i in include if i["id"] == "minilm-embed:cpu")
+    assert cpu["runner"] == ["ubuntu-24.04"]
+
+
+def test_missing_matrix_file_exit_2(tmp_path):
+    result = run_mopt("plan", "--matrix", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2 and "nope.yaml: file not found" in result.stderr
+
+
+def test_unknown_option_exit_2():
+    result = run_mopt("plan", "--frobnicate")
+    assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -1,0 +1,105 @@
+"""Rendering: golden files, byte-identical re-runs, strict templates, labels and NVIDIA env."""
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from builder.errors import ConfigError
+from builder.matrix import load_matrix
+from builder.plan import make_plan
+from builder.render import render, render_variant
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN_IDS = ["qwen3-embed:cu121-sm86", "qwen3-embed:cu128-sm90-vllm", "qwen3-embed:cu130-sm90-aot",
+              "qwen3-embed:cpu", "minilm-embed:cpu"]
+FIXED_RUNTIME_DIGEST = "0" * 64  # golden files must not change whenever the runtime code does
+
+
+@pytest.fixture(scope="module")
+def planned(request):
+    repo = Path(__file__).resolve().parent.parent.parent
+    matrix = load_matrix(repo / "matrix.yaml")
+    return repo, matrix, make_plan(matrix)
+
+
+@pytest.mark.parametrize("variant_id", GOLDEN_IDS)
+def test_golden(planned, variant_id):
+    repo, matrix, plan = planned
+    variant = next(v for v in plan.variants if v.id == variant_id)
+    rendered = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST, plan.variants)
+    directory = GOLDEN / variant.image / variant.tag
+    if os.environ.get("MOPT_UPDATE_GOLDEN") == "1":
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        for name, text in rendered.files.items():
+            (directory / name).write_text(text)
+    expected = {p.name: p.read_text() for p in directory.iterdir()}
+    assert sorted(expected) == sorted(rendered.files)
+    for name, text in rendered.files.items():
+        assert text == expected[name], f"{variant_id}/{name} differs from tests/golden (MOPT_UPDATE_GOLDEN=1)"
+
+
+def test_rerender_is_byte_identical(planned, tmp_path):
+    repo, matrix, plan = planned
+    first = render(matrix, plan.variants, tmp_path / "a", all_variants=plan.variants)
+    render(matrix, plan.variants, tmp_path / "b", all_variants=plan.variants)
+    assert len(first) == len(plan.variants)
+    for directory in first:
+        rel = directory.relative_to(tmp_path / "a")
+        for f in directory.iterdir():
+            assert f.read_bytes() == (tmp_path / "b" / rel / f.name).read_bytes()
+
+
+def test_final_stage_labels_and_nvidia_env(planned):
+    repo, matrix, plan = planned
+    variant = next(v for v in plan.variants if v.id == "qwen3-embed:cu128-sm90-aot")
+    final = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST).files["Dockerfile.final"]
+    for label in ('org.opencontainers.image.version="cu128-sm90-aot-', 'io.mopt.cuda="12.8"', 'io.mopt.sm="90"',
+                  'io.mopt.driver.min="570.26"', 'io.mopt.backend="torch-aot"', 'io.mopt.backend.version="2.11.0"'):
+        assert label in final
+    assert 'ENV NVIDIA_REQUIRE_CUDA="cuda>=12.8' in final
+    assert "NVIDIA_VISIBLE_DEVICES=all" in final and "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in final
+    assert "USER 10001:10001" in final
+    cpu = next(v for v in plan.variants if v.id == "minilm-embed:cpu")
+    cpu_final = render_variant(matrix, cpu, repo / "templates", FIXED_RUNTIME_DIGEST).files["Dockerfile.final"]
+    assert "NVIDIA_REQUIRE_CUDA" not in cpu_final
+
+
+def test_no_syntax_directive_and_secrets_only_as_mounts(planned):
+    repo, matrix, plan = planned
+    for variant in plan.variants:
+        files = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST).files
+        for name, text in files.items():
+            assert "# syntax=" not in text  # the frontend image would be pulled, and cannot be
+            if name.startswith("Dockerfile"):
+                assert "COPY ca" not in text and "ADD " not in text
+
+
+def test_manifest_keys_change_with_inputs(planned):
+    repo, matrix, plan = planned
+    variant = next(v for v in plan.variants if v.id == "minilm-embed:cpu")
+    a = render_variant(matrix, variant, repo / "templates", "0" * 64).manifest
+    b = render_variant(matrix, variant, repo / "templates", "1" * 64).manifest
+    keys_a = {s["name"]: s["key"] for s in a["stages"]}
+    keys_b = {s["name"]: s["key"] for s in b["stages"]}
+    assert keys_a["base"] == keys_b["base"]  # the runtime code is not in the base stage
+    assert keys_a["runtime"] != keys_b["runtime"] and keys_a["final"] != keys_b["final"]
+
+
+def test_undefined_template_variable_is_config_error(planned, tmp_path):
+    repo, matrix, plan = planned
+    templates = tmp_path / "templates"
+    shutil.copytree(repo / "templates", templates)
+    path = templates / "final.Dockerfile.j2"
+    path.write_text(path.read_text() + "LABEL x={{ no_such_variable }}\n")
+    with pytest.raises(ConfigError, match="final.Dockerfile.j2: template variable error: 'no_such_variable'"):
+        render(matrix, plan.variants[:1], tmp_path / "out", templates)
+    assert not (tmp_path / "out").exists()  # nothing half-rendered
+
+
+def test_guard_knows_every_tag_of_the_flavour(planned):
+    repo, matrix, plan = planned
+    variant = next(v for v in plan.variants if v.id == "qwen3-embed:cu128-sm90-aot")
+    info = render_variant(matrix, variant, repo / "templates", "0" * 64, plan.variants).files["image-info.json"]
+    assert '"86": "cu128-sm86-aot"' in info and '"120": "cu128-sm120-aot"' in info
