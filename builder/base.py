@@ -35,7 +35,11 @@ from builder.errors import BuildError, ConfigError, EnvironmentProblem
 KEY_VERSION = 1  # bump when the build recipe below changes in a way that changes the result
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_SUITE = "bookworm"
-DEFAULT_CHANGES = ("ENV LANG=C.UTF-8", 'CMD ["/bin/bash"]')
+DEFAULT_CHANGES = (
+    "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "ENV LANG=C.UTF-8",
+    'CMD ["/bin/bash"]',
+)
 LABEL_KEY = "io.mopt.base.key"
 
 MMDEBSTRAP_VARIANTS = frozenset({"extract", "custom", "essential", "apt", "required", "minbase",
