@@ -20,8 +20,9 @@ from .errors import ConfigError
 from .matrix import Matrix
 from .plan import Variant
 
-# Inside the compile container (see templates/compile.sh.j2).
-MOUNTS = {"model": "/mopt/model", "inputs": "/mopt/inputs", "out": "/mopt/out"}
+# Inside the compile container (see templates/compile.sh.j2). The model sits where the final image
+# keeps it, so engine.json names a path that exists there (the opt-in recompile reads it).
+MOUNTS = {"model": "/opt/mopt/model", "inputs": "/mopt/inputs", "out": "/mopt/out"}
 RUNTIME_PACKAGE = Path(__file__).parent / "runtime"
 
 

@@ -1,12 +1,12 @@
 #!/bin/sh
 # Stage compile for minilm-embed:cpu: runs inside a container created from the exact runtime image
 # digest. mopt build mounts the model at
-# /mopt/model (read-only), this directory's inputs at /mopt/inputs and the output at /mopt/out.
+# /opt/mopt/model (read-only, where the final image keeps it), this directory's inputs at /mopt/inputs and the output at /mopt/out.
 set -eu
 exec python -m mopt_runtime compile \
   --backend torch-aot \
   --device cpu \
-  --model /mopt/model \
+  --model /opt/mopt/model \
   --out /mopt/out \
   --precision fp32 \
   --max-batch 32 \

@@ -1,12 +1,12 @@
 #!/bin/sh
 # Stage compile for qwen3-embed:cu128-sm90-vllm: runs inside a container created from the exact runtime image
 # digest, with the target GPU (sm_90). mopt build mounts the model at
-# /mopt/model (read-only), this directory's inputs at /mopt/inputs and the output at /mopt/out.
+# /opt/mopt/model (read-only, where the final image keeps it), this directory's inputs at /mopt/inputs and the output at /mopt/out.
 set -eu
 exec python -m mopt_runtime compile \
   --backend vllm \
   --device cuda \
-  --model /mopt/model \
+  --model /opt/mopt/model \
   --out /mopt/out \
   --precision bf16 \
   --max-batch 64 \
