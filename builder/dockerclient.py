@@ -42,14 +42,18 @@ class DockerCli:
     buildkit: BuildkitKind
     server_version: str = ""
 
-    def build_cmd(self) -> list[str]:
-        """The argv prefix for a BuildKit build (append options and the context dir).
+    def build_args(self) -> list[str]:
+        """The subcommand for a BuildKit build, for ``run_docker([*cli.build_args(), ...])``.
 
         With buildx, ``--load`` puts the result into the daemon's image store like ``docker build``.
         """
         if self.buildkit == "buildx":
-            return [self.path, "buildx", "build", "--load"]
-        return [self.path, "build"]
+            return ["buildx", "build", "--load"]
+        return ["build"]
+
+    def build_cmd(self) -> list[str]:
+        """The full argv prefix for a BuildKit build (client path + build_args())."""
+        return [self.path, *self.build_args()]
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment to run this client with: the current one plus DOCKER_BUILDKIT=1."""

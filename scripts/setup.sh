@@ -55,8 +55,8 @@ install_packages() {
     [ "$(id -u)" -eq 0 ] || die "missing packages (${missing[*]}) and not root; run as root"
     say "system packages: installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends \
+    apt-get update -qq -o Acquire::Retries=3
+    apt-get install -y -qq --no-install-recommends -o Acquire::Retries=3 \
         -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
         "${missing[@]}" >/dev/null
     for p in "${missing[@]}"; do
@@ -80,19 +80,19 @@ start_dockerd() {
     fi
     # The Debian docker.io package ships systemd units, but CI containers and fresh VMs
     # often have no running systemd, so start the daemon directly unless one is running.
-    if ! pgrep -x dockerd >/dev/null 2>&1; then
-        # A stale pid file (from a killed daemon) makes dockerd refuse to start.
-        if [ -f /var/run/docker.pid ] && ! kill -0 "$(cat /var/run/docker.pid)" 2>/dev/null; then
-            rm -f /var/run/docker.pid
-        fi
+    # A live pid file means a daemon is starting (or hung): wait for it rather than start another.
+    # (pid file instead of pgrep: procps is not on every minimal machine.)
+    local pidfile=/var/run/docker.pid
+    if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile" 2>/dev/null)" 2>/dev/null; then
+        say "docker daemon: dockerd (pid $(cat "$pidfile")) is running, waiting for it"
+    else
+        rm -f "$pidfile"  # stale: a killed daemon's pid file makes dockerd refuse to start
         local dockerd
         dockerd="$(PATH="$PATH:/usr/sbin:/sbin" command -v dockerd || true)"
         [ -n "$dockerd" ] || die "dockerd not found (apt-get install docker.io)"
         say "docker daemon: starting $dockerd (log: $DOCKERD_LOG)"
         setsid nohup "$dockerd" >"$DOCKERD_LOG" 2>&1 </dev/null &
         started=$!
-    else
-        say "docker daemon: dockerd process exists, waiting for it"
     fi
     local i
     for i in $(seq 1 60); do

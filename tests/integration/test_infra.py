@@ -129,7 +129,7 @@ def _build_with_secret(docker: DockerCli, tmp_path: Path, base_ref: str, run_lin
     secret_file = tmp_path / "token.txt"
     secret_file.write_text(secret)
     seen: list[str] = []
-    run_docker([*docker.build_cmd()[1:], "--progress=plain", "--network=none",
+    run_docker([*docker.build_args(), "--progress=plain", "--network=none",
                 "--secret", f"id=token,src={secret_file}", "--build-arg", f"BASE={base_ref}",
                 "-t", tag, str(ctx)], docker=docker, log=seen.append, redact=[secret], timeout=300)
     assert not any(secret in ln for ln in seen)
