@@ -1,0 +1,420 @@
+"""builder.publish against the real Docker daemon and a real authenticated registry.
+
+Nothing is pulled: the two images are `docker import`s of one-file tars. Each test gets its own
+LocalRegistry (tmp dir, free port, user/password) and its own DOCKER_CONFIG directory.
+The Bearer-token flow and HTTP retries are checked against a tiny in-process fake registry.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tarfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+
+from builder import publish as publish_mod
+from builder.dockerclient import DockerCli, find_docker, run_docker
+from builder.errors import ConfigError, EnvironmentProblem, PublishError
+from builder.localregistry import LocalRegistry, docker_login
+from builder.publish import (
+    Credentials,
+    PublishItem,
+    Registry,
+    RegistryApi,
+    classify_push_output,
+    docker_push,
+    publish,
+)
+
+pytestmark = pytest.mark.integration
+
+PASSWORD = "s3cret-" + secrets.token_hex(6)
+SUFFIX = secrets.token_hex(4)
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def docker() -> DockerCli:
+    try:
+        cli = find_docker()
+    except EnvironmentProblem as exc:
+        pytest.skip(f"no Docker daemon reachable (run scripts/setup.sh to install and start dockerd): {exc}")
+    if not shutil.which("docker-registry") and not shutil.which("registry"):
+        pytest.skip("docker-registry (CNCF distribution) is not installed (apt-get install docker-registry)")
+    return cli
+
+
+def _import_image(docker: DockerCli, tmp: Path, name: str, content: bytes) -> str:
+    tar_path = tmp / f"{name.replace('/', '_').replace(':', '_')}.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        info = tarfile.TarInfo("hello.txt")
+        info.size, info.mtime, info.mode = len(content), 1700000000, 0o644
+        tar.addfile(info, io.BytesIO(content))
+    run_docker(["import", str(tar_path), name], docker=docker, timeout=60)
+    res = run_docker(["image", "inspect", "--format", "{{.Id}}", name], docker=docker, timeout=30)
+    return res.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def images(docker, tmp_path_factory):
+    """Two different tiny images: (id_a, id_b)."""
+    tmp = tmp_path_factory.mktemp("images")
+    names = [f"mopt-test/publish-a:{SUFFIX}", f"mopt-test/publish-b:{SUFFIX}"]
+    ids = (_import_image(docker, tmp, names[0], b"image A\n"),
+           _import_image(docker, tmp, names[1], b"image B, different\n"))
+    assert ids[0] != ids[1]
+    yield ids
+    run_docker(["rmi", "-f", *names], docker=docker, check=False)
+
+
+@pytest.fixture
+def registry(docker, tmp_path):
+    with LocalRegistry(tmp_path / "registry", user="pusher", password=PASSWORD) as reg:
+        yield reg
+
+
+@pytest.fixture
+def docker_config(registry, tmp_path) -> Path:
+    cfg = tmp_path / "docker-config"
+    docker_login(registry.address, registry.user, registry.password, config_dir=cfg)
+    return cfg
+
+
+class Api:
+    """The test's own view of the registry (plain requests with basic auth, no proxy)."""
+
+    def __init__(self, reg: LocalRegistry):
+        self.base, self.s = reg.url, requests.Session()
+        self.s.trust_env = False
+        self.s.auth = (reg.user, reg.password)
+
+    def catalog(self) -> list[str]:
+        r = self.s.get(f"{self.base}/v2/_catalog", timeout=10)
+        r.raise_for_status()
+        return r.json()["repositories"]
+
+    def digest(self, repo: str, tag: str) -> str | None:
+        r = self.s.get(f"{self.base}/v2/{repo}/manifests/{tag}", timeout=10,
+                       headers={"Accept": publish_mod.ACCEPT})
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        assert r.headers["Docker-Content-Digest"] == "sha256:" + hashlib.sha256(r.content).hexdigest()
+        return r.headers["Docker-Content-Digest"]
+
+
+def _local_refs(docker: DockerCli, image_id: str) -> list[str]:
+    res = run_docker(["image", "inspect", "--format", "{{json .RepoTags}}", image_id], docker=docker)
+    return json.loads(res.stdout)
+
+
+def _item(image_id: str, name: str = "a", long_tag: str = "1.0.0-cpu-abc123", short_tag: str = "1.0-cpu"):
+    return PublishItem(variant_id=f"tiny-{name}:cpu", image_id=image_id, repository="mopt/tiny",
+                       long_tag=long_tag, short_tag=short_tag)
+
+
+class Lines(list):
+    def __call__(self, line: str) -> None:
+        self.append(line)
+
+    def text(self) -> str:
+        return "\n".join(self)
+
+
+# --------------------------------------------------------------------------- publish
+def test_publish_pushes_long_then_short_and_both_verify(docker, images, registry, docker_config):
+    id_a, _ = images
+    reg = Registry.parse(f"{registry.address}/team")  # the namespace replaces the planned "mopt"
+    item = _item(id_a)
+    log = Lines()
+    before = _local_refs(docker, id_a)
+
+    [res] = publish([item], reg, docker_config=str(docker_config), log=log)
+
+    long_ref = f"{registry.address}/team/tiny:1.0.0-cpu-abc123"
+    short_ref = f"{registry.address}/team/tiny:1.0-cpu"
+    assert res.references == (long_ref, short_ref) and res.skipped is False
+    assert res.variant_id == "tiny-a:cpu" and res.digest.startswith("sha256:")
+    api = Api(registry)
+    assert api.catalog() == ["team/tiny"]
+    assert api.digest("team/tiny", "1.0.0-cpu-abc123") == res.digest
+    assert api.digest("team/tiny", "1.0-cpu") == res.digest
+    # Order: the long tag is pushed and verified before the short tag is pushed.
+    text = log.text()
+    assert text.index(f"verified {long_ref}") < text.index(f"moved {short_ref}") < text.index(
+        f"verified {short_ref}")
+    assert text.count("The push refers to repository") == 2
+    # skopeo agrees (credentials from the same config.json, not argv).
+    if shutil.which("skopeo"):
+        for ref in (long_ref, short_ref):
+            out = subprocess.run(["skopeo", "inspect", "--tls-verify=false", "--authfile",
+                                  str(docker_config / "config.json"), f"docker://{ref}"],
+                                 capture_output=True, text=True, timeout=60, check=True).stdout
+            assert json.loads(out)["Digest"] == res.digest
+    # The registry-prefixed local tags are gone; the image is kept.
+    assert _local_refs(docker, id_a) == before
+    assert PASSWORD not in text and base64.b64encode(f"pusher:{PASSWORD}".encode()).decode() not in text
+
+
+def test_rerun_skips_the_long_tag_and_pushes_nothing(docker, images, registry, docker_config):
+    id_a, _ = images
+    reg = Registry.parse(registry.address)
+    [first] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=Lines())
+    log = Lines()
+    [second] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=log)
+    assert second.skipped is True and second.references == () and second.digest == first.digest
+    assert "The push refers to repository" not in log.text()
+    assert "already points at" in log.text()
+    # A new short tag for the same (already published) long tag: only the short tag moves.
+    log = Lines()
+    [third] = publish([_item(id_a, short_tag="1-cpu")], reg, docker_config=str(docker_config), log=log)
+    assert third.skipped is True and third.digest == first.digest
+    assert third.references == (f"{registry.address}/mopt/tiny:1-cpu",)
+    assert Api(registry).digest("mopt/tiny", "1-cpu") == first.digest
+
+
+def test_wrong_credentials_fail_clearly_and_push_nothing(docker, images, registry, tmp_path):
+    id_a, _ = images
+    bad = tmp_path / "bad-config"
+    bad.mkdir()
+    wrong = "not-the-password"
+    auth = base64.b64encode(f"pusher:{wrong}".encode()).decode()
+    (bad / "config.json").write_text(json.dumps({"auths": {registry.address: {"auth": auth}}}))
+    log = Lines()
+    with pytest.raises(PublishError) as exc:
+        publish([_item(id_a)], Registry.parse(registry.address), docker_config=str(bad), log=log)
+    msg = str(exc.value)
+    assert exc.value.exit_code == 6
+    assert "rejected the credentials" in msg and "'pusher'" in msg
+    assert f"docker login {registry.address}" in msg
+    assert wrong not in msg and wrong not in log.text() and auth not in msg
+    # No credentials at all: says where it looked.
+    empty = tmp_path / "empty-config"
+    empty.mkdir()
+    with pytest.raises(PublishError, match="no credentials for registry"):
+        publish([_item(id_a)], Registry.parse(registry.address), docker_config=str(empty), log=Lines())
+    assert Api(registry).catalog() == []
+    assert not [r for r in _local_refs(docker, id_a) if r.startswith(registry.address)]
+
+
+def test_docker_push_auth_error_is_reported_and_not_retried(docker, images, registry, tmp_path):
+    """The CLI path on its own: a push without credentials fails once, with docker's own reason."""
+    id_a, _ = images
+    ref = f"{registry.address}/mopt/tiny:noauth"
+    run_docker(["tag", id_a, ref], docker=docker)
+    log = Lines()
+    try:
+        with pytest.raises(PublishError) as exc:
+            docker_push(docker, ref, tmp_path / "no-config", log=log)
+    finally:
+        run_docker(["rmi", "--no-prune", ref], docker=docker, check=False)
+    assert "no basic auth credentials" in str(exc.value) and "refused" in str(exc.value)
+    assert log.text().count("The push refers to repository") == 1  # auth errors are not retried
+    assert Api(registry).catalog() == []
+
+
+def test_long_tag_pointing_elsewhere_is_refused_and_short_tag_not_moved(docker, images, registry,
+                                                                         docker_config):
+    id_a, id_b = images
+    reg = Registry.parse(registry.address)
+    [first] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=Lines())
+    api = Api(registry)
+
+    with pytest.raises(PublishError) as exc:  # image B under A's long tag and the same short tag
+        publish([_item(id_b, name="b")], reg, docker_config=str(docker_config), log=Lines())
+    assert "immutable" in str(exc.value) and first.digest in str(exc.value) and id_b in str(exc.value)
+    assert api.digest("mopt/tiny", "1.0.0-cpu-abc123") == first.digest
+    assert api.digest("mopt/tiny", "1.0-cpu") == first.digest
+
+    # The dry run foresees the same refusal and changes nothing either.
+    log = Lines()
+    with pytest.raises(PublishError, match="immutable"):
+        publish([_item(id_b, name="b")], reg, docker_config=str(docker_config), dry_run=True, log=log)
+    assert "REFUSE" in log.text()
+    assert api.digest("mopt/tiny", "1.0-cpu") == first.digest
+    assert not [r for r in _local_refs(docker, id_b) if r.startswith(registry.address)]
+
+
+def test_dry_run_pushes_nothing(docker, images, registry, docker_config):
+    id_a, id_b = images
+    reg = Registry.parse(registry.address)
+    log = Lines()
+    results = publish([_item(id_a), _item(id_b, name="b", long_tag="2.0.0-cpu-def456", short_tag="2.0-cpu")],
+                      reg, docker_config=str(docker_config), dry_run=True, log=log)
+    assert [r.references for r in results] == [
+        (f"{registry.address}/mopt/tiny:1.0.0-cpu-abc123", f"{registry.address}/mopt/tiny:1.0-cpu"),
+        (f"{registry.address}/mopt/tiny:2.0.0-cpu-def456", f"{registry.address}/mopt/tiny:2.0-cpu")]
+    assert all(r.digest == "" and not r.skipped for r in results)
+    text = log.text()
+    assert f"{registry.address}/mopt/tiny:1.0.0-cpu-abc123 -> {id_a}" in text and "no such tag" in text
+    assert "The push refers to repository" not in text
+    assert Api(registry).catalog() == []
+    assert not [r for r in _local_refs(docker, id_a) if r.startswith(registry.address)]
+
+    # After a real publish, the dry run shows the current registry digest and that it would skip.
+    [done] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=Lines())
+    log = Lines()
+    [again] = publish([_item(id_a)], reg, docker_config=str(docker_config), dry_run=True, log=log)
+    assert again.skipped and again.references == () and done.digest in log.text()
+
+
+# --------------------------------------------------------------------------- Registry.parse
+@pytest.mark.parametrize("text, host, namespace", [
+    ("127.0.0.1:5000", "127.0.0.1:5000", None),
+    ("127.0.0.1:5000/team", "127.0.0.1:5000", "team"),
+    ("localhost/team/sub", "localhost", "team/sub"),
+    ("ghcr.io/acme", "ghcr.io", "acme"),
+    ("Registry.Example.com:443/a-b_c.d/", "registry.example.com:443", "a-b_c.d"),
+    ("[::1]:5000/x", "[::1]:5000", "x"),
+])
+def test_registry_parse_accepts(text, host, namespace):
+    reg = Registry.parse(text)
+    assert (reg.host, reg.namespace) == (host, namespace)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "empty"),
+    ("   ", "empty"),
+    ("http://127.0.0.1:5000", "scheme"),
+    ("127.0.0.1:5000/Team", "namespace"),
+    ("127.0.0.1:5000/team//x", "namespace"),
+    ("127.0.0.1:notaport", "port"),
+    ("127.0.0.1:0", "port"),
+    ("127.0.0.1:70000", "port"),
+    ("127.0.0.1:", "empty port"),
+    ("team", "Docker Hub namespace"),
+    ("my registry:5000", "whitespace"),
+    ("127.0.0.1:5000/team/img@sha256:abc", "'@'"),
+    ("-bad-.example.com", "not a valid host"),
+    ("127.0.0.1:5000/team:tag", "namespace"),
+])
+def test_registry_parse_rejects_junk(text, why):
+    with pytest.raises(ConfigError) as exc:
+        Registry.parse(text)
+    assert exc.value.exit_code == 2 and why in str(exc.value)
+
+
+def test_registry_reference():
+    assert Registry.parse("127.0.0.1:5000/team").reference("mopt/minilm-embed", "1.0") == \
+        "127.0.0.1:5000/team/minilm-embed:1.0"
+    assert Registry.parse("127.0.0.1:5000").reference("mopt/minilm-embed", "1.0") == \
+        "127.0.0.1:5000/mopt/minilm-embed:1.0"
+    with pytest.raises(ConfigError):
+        Registry.parse("127.0.0.1:5000").reference("mopt/minilm-embed", "bad tag")
+
+
+def test_classify_push_output():
+    ok = ("The push refers to repository [127.0.0.1:5000/mopt/error-denied]\nb7f7163d07ed: Preparing\n"
+          "b7f7163d07ed: Pushed\n1.0: digest: sha256:" + "a" * 64 + " size: 523\n")
+    assert classify_push_output(ok) == "ok"
+    assert classify_push_output("b7f7163d07ed: Preparing\nno basic auth credentials") == "auth"
+    assert classify_push_output("denied: requested access to the resource is denied") == "auth"
+    assert classify_push_output("unauthorized: authentication required") == "auth"
+    assert classify_push_output('Put "http://h/v2/x/blobs/uploads/": EOF') == "transient"
+    assert classify_push_output("received unexpected HTTP status: 503 Service Unavailable") == "transient"
+    assert classify_push_output("An image does not exist locally with the tag: x") == "error"
+
+
+# --------------------------------------------------------------------------- Bearer flow (fake registry)
+class _FakeTokenRegistry(BaseHTTPRequestHandler):
+    """/v2/ with Bearer auth (token from /token with basic auth), one manifest, its blobs, one 503."""
+
+    state: dict = {}
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, code: int, body: bytes = b"", headers: dict | None = None) -> None:
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802
+        st = self.state
+        if self.path.startswith("/token"):
+            expected = "Basic " + base64.b64encode(b"bob:pw").decode()
+            st["token_requests"].append(self.path)
+            if self.headers.get("Authorization") != expected:
+                return self._send(401)
+            return self._send(200, json.dumps({"token": "tok123"}).encode(),
+                              {"Content-Type": "application/json"})
+        if self.headers.get("Authorization") != "Bearer tok123":
+            realm = f"http://127.0.0.1:{self.server.server_address[1]}/token"
+            return self._send(401, b"{}", {"WWW-Authenticate": f'Bearer realm="{realm}",service="fake",'
+                                                                 f'scope="repository:team/tiny:pull"'})
+        if self.path == "/v2/team/tiny/manifests/1.0":
+            if st["fail_next"]:
+                st["fail_next"] -= 1
+                return self._send(503)
+            return self._send(200, st["manifest"], {"Content-Type": publish_mod.MANIFEST_TYPES[3],
+                                                    "Docker-Content-Digest": st["digest"]})
+        if self.path.startswith("/v2/team/tiny/blobs/"):
+            digest = self.path.rsplit("/", 1)[1]
+            if digest in st["blobs"]:
+                return self._send(200, b"x" * st["blobs"][digest])
+        return self._send(404, b'{"errors":[{"code":"MANIFEST_UNKNOWN"}]}')
+
+    do_HEAD = do_GET
+
+
+def test_bearer_token_flow_and_http_retries(monkeypatch):
+    monkeypatch.setattr(publish_mod, "HTTP_WAIT_MULTIPLIER_S", 0.01)
+    cfg, layer = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": publish_mod.MANIFEST_TYPES[3],
+                           "config": {"mediaType": "x", "size": 10, "digest": cfg},
+                           "layers": [{"mediaType": "y", "size": 20, "digest": layer}]}).encode()
+    digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    _FakeTokenRegistry.state = {"manifest": manifest, "digest": digest, "blobs": {cfg: 10, layer: 20},
+                                "fail_next": 2, "token_requests": []}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeTokenRegistry)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reg = Registry.parse(f"127.0.0.1:{server.server_address[1]}/team")
+        api = RegistryApi(reg, Credentials("test", "bob", "pw"), scheme="http")
+        m = api.verify("team/tiny", "1.0", digest)  # two 503s are retried, then the token flow
+        assert m.digest == digest
+        assert _FakeTokenRegistry.state["fail_next"] == 0
+        assert len(_FakeTokenRegistry.state["token_requests"]) == 1  # token cached per scope
+        assert "scope=repository%3Ateam%2Ftiny%3Apull" in _FakeTokenRegistry.state["token_requests"][0]
+        assert api.manifest("team/tiny", "nope") is None
+        del _FakeTokenRegistry.state["blobs"][layer]
+        with pytest.raises(PublishError, match="is missing"):
+            api.verify("team/tiny", "1.0", digest)
+        bad = RegistryApi(reg, Credentials("test", "bob", "wrong"), scheme="http")
+        with pytest.raises(PublishError, match="rejected the credentials") as exc:
+            bad.manifest("team/tiny", "1.0")
+        assert "wrong" not in str(exc.value)
+        nocreds = RegistryApi(reg, None, scheme="http", config_dir=Path("/nonexistent"))
+        with pytest.raises(PublishError, match="no credentials for registry"):
+            nocreds.manifest("team/tiny", "1.0")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_credentials_come_from_docker_config_env(monkeypatch, tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    auth = base64.b64encode(b"alice:pw:with:colons").decode()
+    (cfg / "config.json").write_text(json.dumps({"auths": {"https://reg.example.com:5000": {"auth": auth}}}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
+    reg = Registry.parse("reg.example.com:5000")
+    creds = publish_mod.load_credentials(reg, publish_mod.docker_config_dir())
+    assert creds is not None and (creds.username, creds.password) == ("alice", "pw:with:colons")
+    assert "pw:with" not in repr(creds)
+    assert publish_mod.load_credentials(Registry.parse("other.example.com"), cfg) is None
+    assert os.environ["DOCKER_CONFIG"] == str(cfg)
