@@ -27,6 +27,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ HTTP_WAIT_MULTIPLIER_S = 0.5
 HTTP_WAIT_MAX_S = 8.0
 HTTP_TIMEOUT_S = 30.0
 PUSH_EXTRA_ATTEMPTS = 2
+PUSH_RETRY_WAIT_S = 2.0  # doubled after each transient failure
 PUSH_TIMEOUT_S = 3600.0
 
 MANIFEST_TYPES = (
@@ -626,7 +628,10 @@ def docker_push(docker: DockerCli, ref: str, config_dir: Path, *, log: Log,
                                f"authorization): {detail}; check `docker login {ref.split('/', 1)[0]}` "
                                f"in {config_dir}")
         if kind == "transient" and attempt < attempts:
-            log(f"  docker push {ref} failed transiently (attempt {attempt}/{attempts}): {detail}; retrying")
+            wait = PUSH_RETRY_WAIT_S * 2 ** (attempt - 1)
+            log(f"  docker push {ref} failed transiently (attempt {attempt}/{attempts}): {detail}; "
+                f"retrying in {wait:.0f}s")
+            time.sleep(wait)
             continue
         if res.returncode == 0 and kind == "ok":
             raise PublishError(f"docker push {ref} printed no single 'digest: sha256:... size:' line for tag "

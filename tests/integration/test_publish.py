@@ -223,6 +223,38 @@ def test_docker_push_auth_error_is_reported_and_not_retried(docker, images, regi
     assert Api(registry).catalog() == []
 
 
+def _fake_docker(tmp_path: Path, script: str) -> DockerCli:
+    path = tmp_path / "fake-docker"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return DockerCli(path=str(path), version="fake", buildkit="builtin")
+
+
+def test_docker_push_retries_transient_errors_at_most_twice(tmp_path, monkeypatch):
+    monkeypatch.setattr(publish_mod, "PUSH_RETRY_WAIT_S", 0.0)
+    counter = tmp_path / "count"
+    digest = "sha256:" + "c" * 64
+    flaky = _fake_docker(tmp_path, f"""echo x >> {counter}
+echo 'The push refers to repository [127.0.0.1:1/mopt/tiny]'
+if [ $(wc -l < {counter}) -lt 3 ]; then
+  echo 'received unexpected HTTP status: 503 Service Unavailable' >&2; exit 1
+fi
+echo '1.0: digest: {digest} size: 523'
+""")
+    assert docker_push(flaky, "127.0.0.1:1/mopt/tiny:1.0", tmp_path, log=Lines()) == digest
+    assert len(counter.read_text().splitlines()) == 3  # 2 transient failures, then success
+    counter.unlink()
+    down = _fake_docker(tmp_path, f"echo x >> {counter}; echo 'dial tcp: connection refused' >&2; exit 1\n")
+    with pytest.raises(PublishError, match="attempt 3/3"):
+        docker_push(down, "127.0.0.1:1/mopt/tiny:1.0", tmp_path, log=Lines())
+    assert len(counter.read_text().splitlines()) == 3
+    counter.unlink()
+    wrong_tag = _fake_docker(tmp_path, f"echo x >> {counter}; echo 'other: digest: {digest} size: 1'\n")
+    with pytest.raises(PublishError, match="no single 'digest"):
+        docker_push(wrong_tag, "127.0.0.1:1/mopt/tiny:1.0", tmp_path, log=Lines())
+    assert len(counter.read_text().splitlines()) == 1
+
+
 def test_long_tag_pointing_elsewhere_is_refused_and_short_tag_not_moved(docker, images, registry,
                                                                          docker_config):
     id_a, id_b = images
