@@ -129,7 +129,9 @@ def _build_with_secret(docker: DockerCli, tmp_path: Path, base_ref: str, run_lin
     secret_file = tmp_path / "token.txt"
     secret_file.write_text(secret)
     seen: list[str] = []
-    run_docker([*docker.build_args(), "--progress=plain", "--network=none",
+    # --no-cache: BuildKit's cache key ignores secret contents, so a cached RUN from an earlier
+    # test run would carry the earlier secret (or none) and the checks would test nothing.
+    run_docker([*docker.build_args(), "--progress=plain", "--network=none", "--no-cache",
                 "--secret", f"id=token,src={secret_file}", "--build-arg", f"BASE={base_ref}",
                 "-t", tag, str(ctx)], docker=docker, log=seen.append, redact=[secret], timeout=300)
     assert not any(secret in ln for ln in seen)
