@@ -157,6 +157,131 @@ def matrix_cmd(matrix_path: str, select: tuple[str, ...], github: bool) -> None:
     click.echo(json.dumps({"include": include}, separators=(",", ":")))
 
 
+state_option = click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+                            default=lambda: os.environ.get("MOPT_STATE_DIR", ".mopt"), show_default=".mopt",
+                            help="Where stage records, engines, models, logs and reports live.")
+
+
+def _build_options(state_dir: Path, matrix_path: str, ca_bundle: str | None, find_links: tuple[str, ...],
+                   index_url: str | None, extra_index_url: tuple[str, ...], models: str):
+    from .build import BuildOptions, default_ca_bundle, default_find_links
+
+    if ca_bundle == "none":
+        ca = None
+    elif ca_bundle:
+        ca = Path(ca_bundle)
+        if not ca.is_file():
+            raise ConfigError(f"--ca-bundle {ca_bundle}: file not found")
+    else:
+        ca = default_ca_bundle()
+    links = tuple(Path(p) for p in find_links) if find_links else default_find_links()
+    for link in links:
+        if not link.is_dir():
+            raise ConfigError(f"--find-links {link}: not a directory")
+    return BuildOptions(state_dir=state_dir.resolve(), templates=Path(matrix_path).resolve().parent / "templates",
+                        ca_bundle=ca, find_links=links, pip_index_url=index_url,
+                        pip_extra_index_urls=tuple(extra_index_url), models=models)
+
+
+def hermetic_options(fn):
+    """The hermetic-build inputs, first-class: extra CA (a BuildKit secret), pip mirrors, wheelhouse."""
+    for option in reversed([
+        click.option("--ca-bundle", metavar="FILE|none",
+                     help="Extra CA bundle passed to builds as a BuildKit secret (default: $MOPT_CA_BUNDLE or "
+                          "the host bundle /etc/ssl/certs/ca-certificates.crt)."),
+        click.option("--find-links", multiple=True, metavar="DIR",
+                     help="Wheelhouse directory mounted into pip steps (default: $PIP_FIND_LINKS)."),
+        click.option("--index-url", help="pip index mirror (passed as a secret pip.conf, never a build arg)."),
+        click.option("--extra-index-url", multiple=True, help="Extra pip index (repeatable)."),
+        click.option("--models", type=click.Choice(["auto", "source", "substitute"]), default="auto",
+                     show_default=True,
+                     help="auto uses a recipe's substitute model where its source (the Hub) is unreachable."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+@cli.command()
+@matrix_option
+@click.option("--name", "names", multiple=True, help="Only these bases (default: every rootfs base).")
+@state_option
+def base(matrix_path: str, names: tuple[str, ...], state_dir: Path) -> None:
+    """Build the rootfs base images that cannot be pulled (mmdebstrap, SOURCE_DATE_EPOCH) and record digests."""
+    from . import base as base_module
+    from .dockerclient import find_docker
+
+    matrix = _load(matrix_path)
+    wanted = [b for b in matrix.bases.values() if b.kind == "rootfs" and (not names or b.name in names)]
+    unknown = set(names) - {b.name for b in wanted}
+    if unknown:
+        raise ConfigError(f"--name {sorted(unknown)[0]!r}: not a rootfs base in {matrix_path}")
+    docker = find_docker()
+    for spec in wanted:
+        image = base_module.ensure_base(
+            base_module.BaseSpec(name=spec.image, epoch=spec.source_date_epoch, packages=spec.packages,
+                                 suite=spec.suite, variant=spec.variant, mirror=spec.mirror),
+            state_dir / "bases", docker, log=click.echo)
+        click.echo(f"{spec.name}: {spec.image} {image.image_id}")
+
+
+@cli.command()
+@matrix_option
+@select_option
+@state_option
+@hermetic_options
+def build(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
+          extra_index_url, models) -> None:
+    """Build the selected variants: runtime image, engine compiled in it, final image."""
+    from .release import run_release
+
+    run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
+                                                    extra_index_url, models), steps=("build",))
+
+
+@cli.command("test")
+@matrix_option
+@select_option
+@state_option
+def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path) -> None:
+    """Smoke-test the built final images in containers (testcontainers)."""
+    from .release import run_release
+
+    run_release(matrix_path, select, _build_options(state_dir, matrix_path, "none", (), None, (), "auto"),
+                steps=("test",))
+
+
+@cli.command()
+@matrix_option
+@select_option
+@state_option
+@click.option("--registry", required=True, metavar="HOST[:PORT][/NAMESPACE]")
+@click.option("--dry-run", is_flag=True, help="Show what would move; push nothing.")
+def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, dry_run: bool) -> None:
+    """Push images whose smoke test passed: immutable long tag first, digest verified, then the short tag."""
+    from .release import run_release
+
+    run_release(matrix_path, select, _build_options(state_dir, matrix_path, "none", (), None, (), "auto"),
+                steps=("publish",), registry=registry, dry_run=dry_run)
+
+
+@cli.command()
+@matrix_option
+@select_option
+@state_option
+@hermetic_options
+@click.option("--registry", metavar="HOST[:PORT][/NAMESPACE]", help="Publish here (omit to build and test only).")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first failing variant (default: keep going).")
+def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
+            extra_index_url, models, registry: str | None, fail_fast: bool) -> None:
+    """plan -> build -> test -> publish, keep-going, with a JSON + Markdown report."""
+    from .release import run_release
+
+    steps = ("build", "test", "publish") if registry else ("build", "test")
+    run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
+                                                    extra_index_url, models),
+                steps=steps, registry=registry, fail_fast=fail_fast)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="mopt", standalone_mode=False)

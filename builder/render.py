@@ -32,9 +32,10 @@ def defaults() -> dict:
 
 
 def tree_digest(root: Path, pattern: str = "**/*") -> str:
-    """sha256 over relative paths and contents, in sorted order (a context digest)."""
+    """sha256 over relative paths and contents, in sorted order (a context digest); dotfiles skipped."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.glob(pattern) if p.is_file() and "__pycache__" not in p.parts):
+    for path in sorted(p for p in root.glob(pattern)
+                       if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()

@@ -21,7 +21,9 @@ def _load_json_arg(flag: str, text: str | None, expect: type):
     if text is None:
         return None
     try:
-        value = json.loads(Path(text).read_text() if expect is list else text)
+        # A file path or, for objects, inline JSON text.
+        inline = expect is dict and text.lstrip().startswith("{")
+        value = json.loads(text if inline else Path(text).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UsageError(f"{flag}: {exc}") from None
     if not isinstance(value, expect) or (expect is list and not all(isinstance(x, str) for x in value)):
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True)
     c.add_argument("--instruction", default=None, help="task for queries: 'Instruct: {task}\\nQuery:{q}'")
     c.add_argument("--target-sm", default=None, help="expected GPU arch, e.g. 90 (must match the GPU)")
-    c.add_argument("--image-info", default=None, help="JSON: repository, tag, tag_template, tags_by_sm")
+    c.add_argument("--image-info", default=None, help="JSON text or file: repository, tag, tag_template, tags_by_sm")
     c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
     c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,

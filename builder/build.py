@@ -1,0 +1,383 @@
+"""Build one variant: base stage -> runtime stage -> engine compiled in a container of the exact
+runtime image -> final image FROM that runtime plus the engine.
+
+Every step has a content key; a step whose key is already built is skipped, so a second build
+with nothing changed does no build work. Stage images are tagged by key
+(mopt-stage/<stage>:<key>), which is as exact as a digest for a local image: BuildKit 0.8 cannot
+FROM an image id, and the final image's layers are checked to start with the runtime's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import base as base_module
+from .dockerclient import DockerCli, find_docker, run_docker
+from .errors import BuildError, EnvironmentProblem
+from .matrix import Matrix
+from .models import LocalModel, choose, materialise
+from .plan import Variant
+from .render import RUNTIME_PACKAGE, MOUNTS, RenderedVariant, dump_json, render_variant, tree_digest
+
+Log = Callable[[str], None]
+STAGE_REPO = "mopt-stage"
+KEY_LABEL = "io.mopt.stage.key"
+ROLE_LABEL = "io.mopt.role"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    state_dir: Path
+    templates: Path
+    ca_bundle: Path | None = None
+    find_links: tuple[Path, ...] = ()
+    pip_index_url: str | None = None
+    pip_extra_index_urls: tuple[str, ...] = ()
+    models: str = "auto"  # source | substitute | auto
+    min_free_gib: float = 4.0
+    gpus: bool = True  # request GPUs for cuda variants' compile step
+
+
+@dataclass(frozen=True)
+class StageResult:
+    name: str
+    key: str
+    image: str  # tag or directory
+    image_id: str
+    skipped: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    variant_id: str
+    image_id: str
+    references: tuple[str, ...]
+    size_bytes: int
+    engine_dir: Path
+    engine_sha256: str
+    model: LocalModel
+    stages: tuple[StageResult, ...]
+    seconds: float
+    render_dir: Path
+    dimension: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def built_anything(self) -> bool:
+        return any(not s.skipped for s in self.stages)
+
+
+def default_ca_bundle() -> Path | None:
+    """The extra CA for builds: $MOPT_CA_BUNDLE, else the host bundle (a TLS proxy's CA lives there)."""
+    explicit = os.environ.get("MOPT_CA_BUNDLE")
+    if explicit:
+        return Path(explicit)
+    host = Path("/etc/ssl/certs/ca-certificates.crt")
+    return host if host.is_file() else None
+
+
+def default_find_links() -> tuple[Path, ...]:
+    """pip's find-links setting ($PIP_FIND_LINKS): local directories only, as a wheelhouse."""
+    return tuple(Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if Path(p).is_dir())
+
+
+def _key(*parts: str) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and not path.name.startswith("."):
+            _link_or_copy(path, dst / path.relative_to(src))
+
+
+class Builder:
+    def __init__(self, matrix: Matrix, all_variants: tuple[Variant, ...], options: BuildOptions,
+                 log: Log = print, docker: DockerCli | None = None):
+        self.matrix, self.all_variants, self.options, self.log = matrix, all_variants, options, log
+        self.docker = docker or find_docker()
+        self.state = options.state_dir
+        for sub in ("render", "contexts", "engines", "models", "logs", "variants", "bases"):
+            (self.state / sub).mkdir(parents=True, exist_ok=True)
+        self.runtime_digest = tree_digest(RUNTIME_PACKAGE, "**/*.py")
+        self.wheelhouse = self._wheelhouse_files()
+
+    # -- docker helpers -------------------------------------------------------------------
+    def _inspect(self, ref: str) -> dict | None:
+        result = run_docker(["image", "inspect", ref], docker=self.docker, check=False)
+        if result.returncode != 0:
+            return None
+        return json.loads(result.stdout)[0]
+
+    def _logfile(self, variant: Variant, stage: str) -> Callable[[str], None]:
+        path = self.state / "logs" / variant.image / variant.tag / f"{stage}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("w", encoding="utf-8")
+
+        def write(line: str) -> None:
+            handle.write(line + "\n")
+            handle.flush()
+
+        write.path = path  # type: ignore[attr-defined]
+        return write
+
+    def _check_disk(self) -> None:
+        root = Path("/var/lib/docker")
+        usage = shutil.disk_usage(root if root.exists() else self.state)
+        free_gib = usage.free / 2**30
+        if free_gib < self.options.min_free_gib:
+            raise EnvironmentProblem(f"only {free_gib:.1f} GiB free for Docker ({root}); builds need at least "
+                                     f"{self.options.min_free_gib} GiB: prune images (docker image prune) or free disk")
+
+    def _wheelhouse_files(self) -> list[Path]:
+        files = []
+        for directory in self.options.find_links:
+            files += sorted(p for p in directory.iterdir() if p.suffix in (".whl", ".gz", ".zip") and p.is_file())
+        return files
+
+    def _wheelhouse_digest(self) -> str:
+        return _key(*(f"{p.name}:{p.stat().st_size}" for p in self.wheelhouse))
+
+    def _docker_build(self, variant: Variant, stage: str, dockerfile: Path, context: Path, tag: str, key: str,
+                      build_args: dict[str, str], labels: dict[str, str]) -> str:
+        log = self._logfile(variant, stage)
+        argv = [*self.docker.build_cmd()[1:], "--progress=plain", "-f", str(dockerfile), "-t", tag,
+                "--label", f"{KEY_LABEL}={key}"]
+        for name, value in {**labels}.items():
+            argv += ["--label", f"{name}={value}"]
+        for name, value in build_args.items():
+            argv += ["--build-arg", f"{name}={value}"]
+        with tempfile.TemporaryDirectory(prefix="mopt-secrets-") as secrets:
+            # Secrets are files mounted only into RUN steps: never a layer, an arg, a label or history.
+            if self.options.ca_bundle:
+                if not self.options.ca_bundle.is_file():
+                    raise EnvironmentProblem(f"CA bundle {self.options.ca_bundle} does not exist")
+                argv += ["--secret", f"id=ca,src={self.options.ca_bundle}"]
+            pip_conf = self._pip_conf()
+            if pip_conf:
+                conf = Path(secrets) / "pip.conf"
+                conf.write_text(pip_conf)
+                conf.chmod(0o600)
+                argv += ["--secret", f"id=pipconf,src={conf}"]
+            argv.append(str(context))
+            self.log(f"  {stage}: docker build -> {tag} (log {log.path})")  # type: ignore[attr-defined]
+            result = run_docker(argv, docker=self.docker, log=log, check=False, timeout=3600)
+        if result.returncode != 0:
+            tail = "\n".join(result.stdout.strip().splitlines()[-12:])
+            raise BuildError(f"{variant.id}: {stage} stage failed (log {log.path}):\n{tail}")  # type: ignore[attr-defined]
+        info = self._inspect(tag)
+        if not info:
+            raise BuildError(f"{variant.id}: {stage} stage built but {tag} is not in the daemon")
+        return info["Id"]
+
+    def _pip_conf(self) -> str:
+        lines = []
+        if self.options.pip_index_url:
+            lines.append(f"index-url = {self.options.pip_index_url}")
+        if self.options.pip_extra_index_urls:
+            lines.append("extra-index-url = " + " ".join(self.options.pip_extra_index_urls))
+        return "[global]\n" + "\n".join(lines) + "\n" if lines else ""
+
+    # -- stages ---------------------------------------------------------------------------
+    def _base_image(self, variant: Variant) -> tuple[str, str]:
+        """(reference, image id) of the base the base stage builds FROM."""
+        spec = self.matrix.bases[variant.resolved["base"]["name"]]
+        if spec.kind == "rootfs":
+            image = base_module.ensure_base(
+                base_module.BaseSpec(name=spec.image, epoch=spec.source_date_epoch, packages=spec.packages,
+                                     suite=spec.suite, variant=spec.variant, mirror=spec.mirror),
+                self.state / "bases", self.docker, log=lambda line: self.log("  " + line))
+            return spec.image, image.image_id
+        ref = variant.resolved["base"]["ref"]
+        info = self._inspect(ref)
+        if info is None:
+            result = run_docker(["pull", ref], docker=self.docker, check=False, timeout=900)
+            info = self._inspect(ref) if result.returncode == 0 else None
+        if info is None:
+            raise BuildError(f"{variant.id}: base image {ref} is not available locally and could not be pulled "
+                             "(no registry access here?): load it with docker load, or build on a host that can pull")
+        return ref, info["Id"]
+
+    def _stage(self, variant: Variant, name: str, key: str, build: Callable[[str], str]) -> StageResult:
+        tag = f"{STAGE_REPO}/{name}:{key[:32]}"
+        start = time.monotonic()
+        info = self._inspect(tag)
+        if info and (info["Config"].get("Labels") or {}).get(KEY_LABEL) == key:
+            self.log(f"  {name}: up to date ({tag})")
+            return StageResult(name, key, tag, info["Id"], True, 0.0)
+        image_id = build(tag)
+        return StageResult(name, key, tag, image_id, False, round(time.monotonic() - start, 1))
+
+    def _run_in_runtime(self, variant: Variant, runtime: StageResult, mounts: list[tuple[Path, str, str]],
+                        command: list[str], stage: str, gpu: bool) -> None:
+        log = self._logfile(variant, stage)
+        argv = ["run", "--rm", "--label", f"{ROLE_LABEL}={stage}", "--network", "none"]
+        if gpu:
+            argv += ["--gpus", "all"]
+        for host, target, mode in mounts:
+            argv += ["-v", f"{host}:{target}:{mode}"]
+        argv += [runtime.image_id, *command]  # by image id: exactly the runtime that was built
+        result = run_docker(argv, docker=self.docker, log=log, check=False, timeout=7200)
+        if result.returncode != 0:
+            tail = "\n".join(result.stdout.strip().splitlines()[-12:])
+            raise BuildError(f"{variant.id}: {stage} in the runtime image failed (exit {result.returncode}, "
+                             f"log {log.path}):\n{tail}")  # type: ignore[attr-defined]
+
+    def _compile(self, variant: Variant, rendered: RenderedVariant, render_dir: Path, runtime: StageResult,
+                 model: LocalModel) -> StageResult:
+        compile_stage = next(s for s in rendered.manifest["stages"] if s["name"] == "compile")
+        target_sm = variant.resolved.get("sm") or "cpu"
+        key = _key(compile_stage["key"], runtime.image_id, model.digest, target_sm)
+        engine_dir = self.state / "engines" / key[:32]
+        if (engine_dir / ".complete").exists():
+            self.log(f"  compile: engine up to date ({engine_dir})")
+            return StageResult("compile", key, str(engine_dir), "", True, 0.0)
+        start = time.monotonic()
+        self.log(f"  compile: {variant.backend} engine for {target_sm} in a container of runtime "
+                 f"{runtime.image_id[:19]}")
+        with tempfile.TemporaryDirectory(prefix="mopt-compile-", dir=self.state / "engines") as tmp:
+            out = Path(tmp) / "out"
+            out.mkdir()
+            gpu = variant.device == "cuda" and self.options.gpus
+            self._run_in_runtime(variant, runtime, [(model.path, MOUNTS["model"], "ro"),
+                                                    (render_dir, MOUNTS["inputs"], "ro"), (out, MOUNTS["out"], "rw")],
+                                 ["sh", f"{MOUNTS['inputs']}/compile.sh"], "compile", gpu)
+            if not (out / "engine.json").is_file():
+                raise BuildError(f"{variant.id}: the compile step wrote no engine.json")
+            shutil.rmtree(engine_dir, ignore_errors=True)
+            out.rename(engine_dir)
+        (engine_dir / ".complete").touch()
+        return StageResult("compile", key, str(engine_dir), "", False, round(time.monotonic() - start, 1))
+
+    def _generate_model(self, variant: Variant, runtime: StageResult) -> Callable[[str, int, Path], None]:
+        def generate(name: str, seed: int, out: Path) -> None:
+            out.mkdir(parents=True)
+            self._run_in_runtime(variant, runtime, [(out, "/mopt/out", "rw")],
+                                 ["python", "-m", "mopt_runtime", f"make-{name}", "--out", "/mopt/out",
+                                  "--seed", str(seed)], "generate-model", False)
+        return generate
+
+    # -- one variant ----------------------------------------------------------------------
+    def build(self, variant: Variant) -> BuildResult:
+        start = time.monotonic()
+        self._check_disk()
+        entry = next(e for e in self.matrix.images if e.name == variant.image)
+        rendered = render_variant(self.matrix, variant, self.options.templates, self.runtime_digest,
+                                  self.all_variants)
+        render_dir = self.state / "render" / variant.image / variant.tag
+        render_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in rendered.files.items():
+            (render_dir / name).write_text(text, encoding="utf-8")
+        keys = {s["name"]: s["key"] for s in rendered.manifest["stages"]}
+        stages = []
+
+        base_ref, base_id = self._base_image(variant)
+        empty_context = self.state / "contexts" / "empty"
+        (empty_context / "wheelhouse").mkdir(parents=True, exist_ok=True)
+        base = self._stage(variant, "base", _key(keys["base"], base_id), lambda tag: self._docker_build(
+            variant, "base", render_dir / "Dockerfile.base", empty_context, tag, _key(keys["base"], base_id),
+            {"BASE_IMAGE": base_ref}, {"io.mopt.base.id": base_id}))
+        stages.append(base)
+
+        runtime_key = _key(keys["runtime"], base.image_id, self._wheelhouse_digest())
+
+        def build_runtime(tag: str) -> str:
+            context = self.state / "contexts" / f"runtime-{runtime_key[:32]}"
+            shutil.rmtree(context, ignore_errors=True)
+            _link_tree(RUNTIME_PACKAGE, context / "mopt_runtime")
+            (context / "wheelhouse").mkdir(parents=True)
+            for wheel in self.wheelhouse:
+                _link_or_copy(wheel, context / "wheelhouse" / wheel.name)
+            try:
+                return self._docker_build(variant, "runtime", render_dir / "Dockerfile.runtime", context, tag,
+                                          runtime_key, {"BASE_IMAGE": base.image}, {})
+            finally:
+                shutil.rmtree(context, ignore_errors=True)
+
+        runtime = self._stage(variant, "runtime", runtime_key, build_runtime)
+        stages.append(runtime)
+
+        choice = choose(entry.recipe, self.options.models)
+        model = materialise(entry.recipe, choice, self.state / "models", lambda line: self.log("  " + line),
+                            generate=self._generate_model(variant, runtime))
+        compiled = self._compile(variant, rendered, render_dir, runtime, model)
+        stages.append(compiled)
+        engine_dir = Path(compiled.image)
+        engine_json = json.loads((engine_dir / "engine.json").read_text())
+        engine_sha = engine_json.get("engine_sha256", "")
+
+        final_key = _key(keys["final"], compiled.key, runtime.image_id)
+
+        def build_final(tag: str) -> str:
+            context = self.state / "contexts" / f"final-{final_key[:32]}"
+            shutil.rmtree(context, ignore_errors=True)
+            _link_tree(engine_dir, context / "engine")
+            _link_tree(model.path, context / "model")
+            try:
+                image_id = self._docker_build(
+                    variant, "final", render_dir / "Dockerfile.final", context, tag, final_key,
+                    {"RUNTIME_IMAGE": runtime.image, "ENGINE_SHA256": engine_sha},
+                    {"io.mopt.runtime.id": runtime.image_id, "io.mopt.model.digest": model.digest})
+            finally:
+                shutil.rmtree(context, ignore_errors=True)
+            self._verify_parent(variant, runtime, tag)
+            return image_id
+
+        final = self._stage(variant, "final", final_key, build_final)
+        stages.append(final)
+        references = (f"{variant.repository}:{variant.tag}", f"{variant.repository}:{variant.long_tag}")
+        for ref in references:
+            run_docker(["tag", final.image_id, ref], docker=self.docker)
+        info = self._inspect(final.image_id) or {}
+        result = BuildResult(
+            variant_id=variant.id, image_id=final.image_id, references=references,
+            size_bytes=int(info.get("Size") or 0), engine_dir=engine_dir, engine_sha256=engine_sha, model=model,
+            stages=tuple(stages), seconds=round(time.monotonic() - start, 1), render_dir=render_dir,
+            dimension=model.dimension, notes=(model.note,) if model.note else ())
+        self._record(variant, result)
+        return result
+
+    def _verify_parent(self, variant: Variant, runtime: StageResult, tag: str) -> None:
+        """The final image must sit on exactly the runtime image the engine was compiled in."""
+        runtime_layers = (self._inspect(runtime.image_id) or {}).get("RootFS", {}).get("Layers", [])
+        final_layers = (self._inspect(tag) or {}).get("RootFS", {}).get("Layers", [])
+        if not runtime_layers or final_layers[: len(runtime_layers)] != runtime_layers:
+            run_docker(["rmi", tag], docker=self.docker, check=False)
+            raise BuildError(f"{variant.id}: the final image is not built on runtime {runtime.image_id[:19]}; "
+                             "refusing to tag it")
+
+    def _record(self, variant: Variant, result: BuildResult) -> None:
+        path = self.state / "variants" / variant.image / f"{variant.tag}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dump_json({
+            "id": variant.id, "image_id": result.image_id, "references": list(result.references),
+            "engine_dir": str(result.engine_dir), "engine_sha256": result.engine_sha256,
+            "model": {"source": result.model.source, "digest": result.model.digest,
+                      "dimension": result.model.dimension, "substituted": result.model.substituted},
+            "stages": [{"name": s.name, "key": s.key, "image": s.image, "image_id": s.image_id,
+                        "skipped": s.skipped, "seconds": s.seconds} for s in result.stages],
+            "size_bytes": result.size_bytes}))
+
+
+def load_record(state_dir: Path, variant: Variant) -> dict | None:
+    path = state_dir / "variants" / variant.image / f"{variant.tag}.json"
+    return json.loads(path.read_text()) if path.is_file() else None

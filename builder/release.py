@@ -1,0 +1,131 @@
+"""mopt release: plan -> build -> test -> publish for every selected variant, keep-going by
+default, with live progress and a report (JSON + Markdown) under <state>/reports/.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from .build import BuildOptions, Builder, load_record
+from .errors import MoptError, PublishError, SmokeTestError
+from .matrix import load_matrix
+from .plan import Variant, make_plan
+from .render import dump_json
+from .report import ReleaseReport, VariantReport
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _say(message: str) -> None:
+    console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {escape(message)}")
+
+
+def _smoke_path(state: Path, variant: Variant) -> Path:
+    return state / "variants" / variant.image / f"{variant.tag}.smoke.json"
+
+
+def _smoke(state: Path, matrix, variant: Variant, record: dict, row: VariantReport) -> None:
+    from .smoke import SmokeSpec, smoke_test
+
+    previous = _smoke_path(state, variant)
+    if previous.is_file():
+        old = json.loads(previous.read_text())
+        if old.get("image_id") == record["image_id"] and old.get("passed"):
+            _say(f"{variant.id}: smoke test already passed for {record['image_id'][:19]}; not repeated")
+            row.tested, row.smoke = True, old.get("checks", {})
+            return
+    recipe = next(e for e in matrix.images if e.name == variant.image).recipe
+    engine_dir = Path(record["engine_dir"])
+    spec = SmokeSpec(image=record["image_id"], port=recipe.port, inputs=recipe.smoke_inputs,
+                     dimension=record["model"]["dimension"], min_cosine=recipe.min_cosine,
+                     normalize=recipe.normalize, reference=json.loads((engine_dir / "reference.json").read_text()),
+                     engine_json=json.loads((engine_dir / "engine.json").read_text()),
+                     start_timeout_s=recipe.start_timeout_s, gpu=variant.device == "cuda")
+    _say(f"{variant.id}: smoke test in a container")
+    result = smoke_test(spec, log=_say)
+    previous.write_text(dump_json({"image_id": record["image_id"], "passed": result.passed, "checks": result.checks,
+                                   "min_cosine": result.min_cosine, "start_seconds": result.start_seconds}))
+    row.smoke = result.checks | {"min_cosine": result.min_cosine, "start_seconds": result.start_seconds}
+    if not result.passed:
+        raise SmokeTestError(f"{variant.id}: smoke test failed: " + "; ".join(result.failures))
+    row.tested = True
+    _say(f"{variant.id}: smoke test passed (cosine {result.min_cosine:.5f}, healthy after {result.start_seconds}s)")
+
+
+def _publish(state: Path, variant: Variant, record: dict, registry: str, dry_run: bool, row: VariantReport) -> None:
+    from .publish import PublishItem, Registry, publish
+
+    smoke = _smoke_path(state, variant)
+    tested = json.loads(smoke.read_text()) if smoke.is_file() else {}
+    if not (tested.get("passed") and tested.get("image_id") == record["image_id"]):
+        raise PublishError(f"{variant.id}: image {record['image_id'][:19]} has not passed its smoke test; "
+                           "not publishing")
+    item = PublishItem(variant_id=variant.id, image_id=record["image_id"], repository=variant.repository,
+                       long_tag=variant.long_tag, short_tag=variant.tag)
+    results = publish([item], Registry.parse(registry), dry_run=dry_run, log=_say)
+    if not dry_run:
+        row.published = True
+        row.digest = results[0].digest
+        row.references = list(results[0].references)
+
+
+def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
+                registry: str | None = None, dry_run: bool = False, fail_fast: bool = False) -> ReleaseReport:
+    matrix = load_matrix(Path(matrix_path))
+    full = make_plan(matrix)
+    plan = make_plan(matrix, select) if select else full
+    report = ReleaseReport(started=time.time(), steps=list(steps), registry=registry or "",
+                           rejected=[r.to_json() for r in plan.rejected])
+    state = options.state_dir
+    builder = None
+    first_error: MoptError | None = None
+    _say(f"{len(plan.variants)} variants to {' -> '.join(steps)}")
+    for variant in plan.variants:
+        row = VariantReport(id=variant.id, image=variant.image, flavour=variant.flavour, tag=variant.tag,
+                            long_tag=variant.long_tag, cuda=variant.resolved.get("cuda") or "",
+                            sm=variant.resolved.get("sm") or "")
+        report.variants.append(row)
+        step = ""
+        try:
+            record = load_record(state, variant)
+            for step in steps:
+                started = time.monotonic()
+                if step == "build":
+                    builder = builder or Builder(matrix, full.variants, options, log=_say)
+                    _say(f"{variant.id}: build")
+                    result = builder.build(variant)
+                    record = load_record(state, variant)
+                    row.build_work = result.built_anything
+                    row.notes += list(result.notes)
+                    _say(f"{variant.id}: built {result.image_id[:19]} "
+                         + ("" if result.built_anything else "(nothing to build: every stage up to date)"))
+                elif record is None:
+                    raise MoptError(f"{variant.id}: not built yet (run mopt build first)")
+                row.built, row.image_id, row.size_bytes = True, record["image_id"], record["size_bytes"]
+                if step == "test":
+                    _smoke(state, matrix, variant, record, row)
+                elif step == "publish":
+                    _publish(state, variant, record, registry or "", dry_run, row)
+                row.durations[step] = round(time.monotonic() - started, 1)
+        except MoptError as exc:
+            row.failed_step, row.reason = step, exc.message
+            first_error = first_error or exc
+            _say(f"{variant.id}: FAILED at {step}: {exc.message}")
+            if fail_fast:
+                break
+    report.finished = time.time()
+    json_path, md_path = report.write(state / "reports")
+    console.print(report.markdown(), markup=False)
+    summary = report.summary()
+    if "build" in steps and summary["build_work"] == 0 and not summary["failed"]:
+        _say("nothing was rebuilt: every stage and engine was already up to date")
+    _say(f"report: {json_path} and {md_path}")
+    if first_error is not None:
+        failed = summary["failed"]
+        raise type(first_error)(f"{failed} of {len(report.variants)} variants failed; see {md_path}") \
+            if type(first_error) is not MoptError else MoptError(f"{failed} variants failed; see {md_path}")
+    return report

@@ -1,0 +1,114 @@
+"""The release report: JSON for machines, a Markdown grid for people (and CI job summaries)."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STATUSES = ("published", "tested", "built", "failed", "skipped")
+
+
+@dataclass
+class VariantReport:
+    id: str
+    image: str
+    flavour: str
+    tag: str
+    long_tag: str
+    cuda: str = ""
+    sm: str = ""
+    built: bool = False
+    tested: bool = False
+    published: bool = False
+    failed_step: str = ""
+    reason: str = ""
+    image_id: str = ""
+    size_bytes: int = 0
+    digest: str = ""
+    references: list = field(default_factory=list)
+    durations: dict = field(default_factory=dict)  # step -> seconds
+    build_work: bool = False  # False when every stage was already built
+    smoke: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        if self.failed_step:
+            return "failed"
+        for status in ("published", "tested", "built"):
+            if getattr(self, status):
+                return status
+        return "skipped"
+
+
+@dataclass
+class ReleaseReport:
+    started: float
+    steps: list
+    registry: str = ""
+    variants: list = field(default_factory=list)
+    rejected: list = field(default_factory=list)
+    finished: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"started": self.started, "finished": self.finished, "steps": self.steps, "registry": self.registry,
+                "summary": self.summary(), "variants": [asdict(v) | {"status": v.status} for v in self.variants],
+                "rejected": self.rejected}
+
+    def summary(self) -> dict:
+        counts = {status: 0 for status in STATUSES}
+        for v in self.variants:
+            counts[v.status] += 1
+        counts["build_work"] = sum(1 for v in self.variants if v.build_work)
+        return counts
+
+    def markdown(self) -> str:
+        s = self.summary()
+        lines = ["# mopt release report", "",
+                 f"steps: {', '.join(self.steps)}" + (f" | registry: `{self.registry}`" if self.registry else ""),
+                 f"variants: {len(self.variants)} | published {s['published']} | tested {s['tested']} | "
+                 f"built {s['built']} | failed {s['failed']} | rebuilt {s['build_work']} | "
+                 f"wall {self.finished - self.started:.1f} s", "",
+                 "| variant | status | built | tested | published | size | build s | test s | publish s | reason |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        mark = {True: "yes", False: "-"}
+        for v in self.variants:
+            d = v.durations
+            size = f"{v.size_bytes / 1e6:.0f} MB" if v.size_bytes else "-"
+            built = mark[v.built] + ("" if v.build_work or not v.built else " (cached)")
+            reason = v.reason.replace("|", "\\|").replace("\n", " ")[:200] if v.reason else ""
+            lines.append(f"| `{v.id}` | {v.status} | {built} | {mark[v.tested]} | {mark[v.published]} | {size} | "
+                         f"{d.get('build', '-')} | {d.get('test', '-')} | {d.get('publish', '-')} | {reason} |")
+        for title, rows in self._grids().items():
+            lines += ["", f"## {title}", "", rows]
+        if self.rejected:
+            lines += ["", f"## rejected by the plan ({len(self.rejected)})", ""]
+            lines += [f"- `{r['id']}`: {' '.join(r['reasons'])}" for r in self.rejected]
+        return "\n".join(lines) + "\n"
+
+    def _grids(self) -> dict:
+        """A CUDA x sm grid per image flavour, the way users look for their tag."""
+        grids = {}
+        groups: dict = {}
+        for v in self.variants:
+            if v.cuda and v.sm:
+                groups.setdefault((v.image, v.flavour), []).append(v)
+        for (image, flavour), items in groups.items():
+            cudas = sorted({v.cuda for v in items}, key=lambda c: tuple(map(int, c.split("."))))
+            sms = sorted({v.sm for v in items}, key=lambda s: int("".join(ch for ch in s if ch.isdigit())))
+            cell = {(v.cuda, v.sm): v.status for v in items}
+            rows = ["| cuda \\ sm | " + " | ".join(sms) + " |", "| --- |" + " --- |" * len(sms)]
+            rows += [f"| {c} | " + " | ".join(cell.get((c, s), "n/a") for s in sms) + " |" for c in cudas]
+            grids[f"{image} / {flavour}"] = "\n".join(rows)
+        return grids
+
+    def write(self, directory: Path) -> tuple[Path, Path]:
+        directory.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started))
+        json_path, md_path = directory / f"release-{stamp}.json", directory / f"release-{stamp}.md"
+        json_path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        md_path.write_text(self.markdown())
+        (directory / "latest.json").write_text(json_path.read_text())
+        (directory / "latest.md").write_text(md_path.read_text())
+        return json_path, md_path

@@ -1,0 +1,205 @@
+"""Smoke-test a final image in real containers (testcontainers; Ryuk disabled, cleanup by label).
+
+Checks: /health, embedding dimension, L2 normalisation, determinism, cosine >= the recipe's
+threshold against the reference outputs computed at compile time, the start-up guard refusing a
+tampered engine.json, and the server process not running as root.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import docker
+import requests
+
+from .errors import SmokeTestError
+
+os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")  # Ryuk's image cannot be pulled here
+
+from testcontainers.core.container import DockerContainer  # noqa: E402
+
+SMOKE_LABEL = "io.mopt.smoke"
+ENGINE_JSON = "/opt/mopt/engine/engine.json"
+GUARD_EXIT = 3
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SmokeSpec:
+    image: str
+    port: int
+    inputs: tuple[str, ...]
+    dimension: int
+    min_cosine: float
+    normalize: bool
+    reference: dict  # reference.json: {"texts": [...], "embeddings": [[...]]}
+    engine_json: dict
+    start_timeout_s: int = 120
+    gpu: bool = False
+
+
+@dataclass(frozen=True)
+class SmokeResult:
+    passed: bool
+    checks: dict = field(default_factory=dict)  # name -> "ok" or the failure
+    min_cosine: float = 0.0
+    start_seconds: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{name}: {result}" for name, result in self.checks.items() if result != "ok"]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)) or 1.0)
+
+
+def cleanup(client: docker.DockerClient | None = None) -> int:
+    """Remove every container a smoke test left (by label); returns how many."""
+    client = client or docker.from_env()
+    containers = client.containers.list(all=True, filters={"label": SMOKE_LABEL})
+    for container in containers:
+        container.remove(force=True)
+    return len(containers)
+
+
+def _device_kwargs(spec: SmokeSpec) -> dict:
+    if not spec.gpu:
+        return {}
+    return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
+
+
+def _embed(base: str, texts: list[str]) -> list[list[float]]:
+    response = requests.post(f"{base}/v1/embeddings", json={"input": texts, "model": "smoke"}, timeout=120)
+    if response.status_code != 200:
+        raise SmokeTestError(f"POST /v1/embeddings answered {response.status_code}: {response.text[:300]}")
+    data = response.json()["data"]
+    return [item["embedding"] for item in sorted(data, key=lambda d: d["index"])]
+
+
+def _wait_healthy(container: DockerContainer, base: str, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        wrapped = container.get_wrapped_container()
+        wrapped.reload()
+        if wrapped.status == "exited":
+            logs = wrapped.logs().decode(errors="replace")[-800:]
+            raise SmokeTestError(f"the container exited (code {wrapped.attrs['State']['ExitCode']}) before "
+                                 f"becoming healthy:\n{logs}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise SmokeTestError(f"/health did not answer 200 within {timeout:.0f}s")
+
+
+def _check(checks: dict, name: str, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+        checks[name] = "ok"
+    except (SmokeTestError, AssertionError, requests.RequestException, KeyError, ValueError) as exc:
+        checks[name] = str(exc) or type(exc).__name__
+
+
+def _guard_refuses_tampered(spec: SmokeSpec, run_id: str) -> None:
+    client = docker.from_env()
+    tampered = dict(spec.engine_json, engine_sha256="0" * 64)
+    with tempfile.TemporaryDirectory(prefix="mopt-smoke-") as tmp:
+        path = Path(tmp) / "engine.json"
+        path.write_text(json.dumps(tampered))
+        path.chmod(0o644)
+        Path(tmp).chmod(0o755)
+        container = client.containers.run(
+            spec.image, ["python", "-m", "mopt_runtime", "serve", "--engine-dir", "/opt/mopt/engine"],
+            detach=True, labels={SMOKE_LABEL: run_id}, volumes={str(path): {"bind": ENGINE_JSON, "mode": "ro"}},
+            **_device_kwargs(spec))
+        try:
+            code = container.wait(timeout=spec.start_timeout_s)["StatusCode"]
+            logs = container.logs().decode(errors="replace")
+        finally:
+            container.remove(force=True)
+    if code != GUARD_EXIT:
+        raise SmokeTestError(f"a tampered engine.json should stop the server with exit {GUARD_EXIT}, got {code}: "
+                             f"{logs[-300:]}")
+    if "sha256" not in logs:
+        raise SmokeTestError(f"the guard's message does not name the sha256 mismatch: {logs[-300:]}")
+
+
+def smoke_test(spec: SmokeSpec, log: Log = print) -> SmokeResult:
+    start = time.monotonic()
+    run_id = uuid.uuid4().hex[:12]
+    checks: dict[str, str] = {}
+    min_cos = 0.0
+    start_seconds = 0.0
+    container = (DockerContainer(spec.image).with_exposed_ports(spec.port)
+                 .with_kwargs(labels={SMOKE_LABEL: run_id}, **_device_kwargs(spec)))
+    try:
+        container.start()
+        base = f"http://{container.get_container_host_ip()}:{container.get_exposed_port(spec.port)}"
+        try:
+            start_seconds = _wait_healthy(container, base, spec.start_timeout_s)
+            checks["health"] = "ok"
+        except SmokeTestError as exc:
+            checks["health"] = str(exc)
+            return SmokeResult(False, checks, 0.0, 0.0, round(time.monotonic() - start, 1))
+        texts = list(spec.inputs)
+        first: list[list[float]] = []
+
+        def dimension() -> None:
+            first.extend(_embed(base, texts))
+            dims = {len(e) for e in first}
+            assert dims == {spec.dimension}, f"expected dimension {spec.dimension}, got {sorted(dims)}"
+
+        def normalised() -> None:
+            if spec.normalize:
+                norms = [math.sqrt(sum(x * x for x in e)) for e in first]
+                assert all(abs(n - 1) < 1e-3 for n in norms), f"norms {norms} are not 1"
+
+        def deterministic() -> None:
+            again = _embed(base, texts)
+            worst = max(max(abs(x - y) for x, y in zip(a, b, strict=True)) for a, b in zip(first, again, strict=True))
+            assert worst < 1e-5, f"two identical requests differ by up to {worst:.2e}"
+
+        def accuracy() -> None:
+            nonlocal min_cos
+            ref = dict(zip(spec.reference["texts"], spec.reference["embeddings"], strict=True))
+            sims = [cosine(e, ref[t]) for t, e in zip(texts, first, strict=True)]
+            min_cos = min(sims)
+            assert min_cos >= spec.min_cosine, f"cosine vs reference {min_cos:.5f} < threshold {spec.min_cosine}"
+
+        def not_root() -> None:
+            code, out = container.get_wrapped_container().exec_run(["sh", "-c", "grep '^Uid:' /proc/1/status"])
+            uid = out.decode().split()[1] if code == 0 and out.split() else "?"
+            assert uid not in ("0", "?"), f"the server runs as uid {uid}"
+
+        for name, fn in (("dimension", dimension), ("normalised", normalised), ("deterministic", deterministic),
+                         ("accuracy", accuracy), ("non-root", not_root)):
+            if name != "dimension" and checks.get("dimension") != "ok":
+                checks[name] = "skipped: no embeddings"
+                continue
+            _check(checks, name, fn)
+        _check(checks, "guard-refuses-tampered-engine", lambda: _guard_refuses_tampered(spec, run_id))
+    except docker.errors.DockerException as exc:
+        checks["container"] = f"docker: {exc}"
+    finally:
+        try:
+            container.stop()
+        except Exception:  # noqa: BLE001 - best effort; the label sweep below removes it anyway
+            pass
+        client = docker.from_env()
+        for leftover in client.containers.list(all=True, filters={"label": f"{SMOKE_LABEL}={run_id}"}):
+            leftover.remove(force=True)
+    passed = all(result == "ok" for result in checks.values())
+    return SmokeResult(passed, checks, round(min_cos, 6), round(start_seconds, 2), round(time.monotonic() - start, 1))
