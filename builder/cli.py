@@ -282,6 +282,21 @@ def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundl
                 steps=steps, registry=registry, fail_fast=fail_fast)
 
 
+@cli.command()
+@matrix_option
+@state_option
+@hermetic_options
+@click.option("--registry-port", default=5000, show_default=True, help="Port of the local demo registry.")
+@click.option("--serve-port", default=8080, show_default=True, help="Port the pulled demo image serves on.")
+def demo(matrix_path: str, state_dir: Path, ca_bundle, find_links, index_url, extra_index_url, models,
+         registry_port: int, serve_port: int) -> None:
+    """The main job on the embedded default: release minilm-embed:cpu into a local authenticated registry."""
+    from .demo import run_demo
+
+    run_demo(matrix_path, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
+                                         extra_index_url, models), registry_port, serve_port)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="mopt", standalone_mode=False)

@@ -207,6 +207,14 @@ class LocalRegistry:
             self._log_file.close()
             self._log_file = None
 
+    def detach(self) -> int:
+        """Leave the registry serving after this process exits (the demo does); returns its pid."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            raise EnvironmentProblem(f"local registry on {self.address} is not running")
+        (self.root_dir / "registry.pid").write_text(f"{proc.pid}\n")
+        return proc.pid
+
     def __enter__(self) -> LocalRegistry:
         return self.start()
 
