@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -14,7 +15,7 @@ from .build import BuildOptions, Builder, load_record
 from .errors import MoptError, PublishError, SmokeTestError
 from .matrix import load_matrix
 from .plan import Variant, make_plan
-from .render import dump_json
+from .render import dump_json, sha256_text
 from .report import ReleaseReport, VariantReport
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -31,13 +32,6 @@ def _smoke_path(state: Path, variant: Variant) -> Path:
 def _smoke(state: Path, matrix, variant: Variant, record: dict, row: VariantReport) -> None:
     from .smoke import SmokeSpec, smoke_test
 
-    previous = _smoke_path(state, variant)
-    if previous.is_file():
-        old = json.loads(previous.read_text())
-        if old.get("image_id") == record["image_id"] and old.get("passed"):
-            _say(f"{variant.id}: smoke test already passed for {record['image_id'][:19]}; not repeated")
-            row.tested, row.smoke = True, old.get("checks", {})
-            return
     recipe = next(e for e in matrix.images if e.name == variant.image).recipe
     engine_dir = Path(record["engine_dir"])
     spec = SmokeSpec(image=record["image_id"], port=recipe.port, inputs=recipe.smoke_inputs,
@@ -45,10 +39,21 @@ def _smoke(state: Path, matrix, variant: Variant, record: dict, row: VariantRepo
                      normalize=recipe.normalize, reference=json.loads((engine_dir / "reference.json").read_text()),
                      engine_json=json.loads((engine_dir / "engine.json").read_text()),
                      start_timeout_s=recipe.start_timeout_s, gpu=variant.device == "cuda")
+    # A pass is reused only for the same image and the same checks (dimension, inputs, threshold).
+    smoke_key = sha256_text(json.dumps(asdict(spec), sort_keys=True, default=str))
+    previous = _smoke_path(state, variant)
+    if previous.is_file():
+        old = json.loads(previous.read_text())
+        if old.get("key") == smoke_key and old.get("passed"):
+            _say(f"{variant.id}: smoke test already passed for {record['image_id'][:19]} with these checks; "
+                 "not repeated")
+            row.tested, row.smoke = True, old.get("checks", {})
+            return
     _say(f"{variant.id}: smoke test in a container")
     result = smoke_test(spec, log=_say)
-    previous.write_text(dump_json({"image_id": record["image_id"], "passed": result.passed, "checks": result.checks,
-                                   "min_cosine": result.min_cosine, "start_seconds": result.start_seconds}))
+    previous.write_text(dump_json({"image_id": record["image_id"], "key": smoke_key, "passed": result.passed,
+                                   "checks": result.checks, "min_cosine": result.min_cosine,
+                                   "start_seconds": result.start_seconds}))
     row.smoke = result.checks | {"min_cosine": result.min_cosine, "start_seconds": result.start_seconds}
     if not result.passed:
         raise SmokeTestError(f"{variant.id}: smoke test failed: " + "; ".join(result.failures))

