@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: installs and starts what the tests need (scripts/setup.sh: apt packages,
+# dockerd, the venv), then runs both tiers: fast unit tests and the integration tests against the
+# real Docker daemon and registry. Extra arguments go to pytest (e.g. -m "not integration").
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+bash scripts/setup.sh
+export TESTCONTAINERS_RYUK_DISABLED=true
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@" tests
