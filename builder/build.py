@@ -14,9 +14,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from . import base as base_module
 from .dockerclient import DockerCli, find_docker, run_docker
@@ -24,7 +24,7 @@ from .errors import BuildError, EnvironmentProblem
 from .matrix import Matrix
 from .models import LocalModel, choose, materialise
 from .plan import Variant
-from .render import RUNTIME_PACKAGE, MOUNTS, RenderedVariant, dump_json, render_variant, tree_digest
+from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, dump_json, render_variant, tree_digest
 
 Log = Callable[[str], None]
 STAGE_REPO = "mopt-stage"

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .errors import BuildError, ConfigError
 from .recipe import ModelSource, Recipe

@@ -10,7 +10,7 @@ import itertools
 import re
 import string
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 from packaging.version import Version
 
@@ -77,7 +77,7 @@ class Plan:
                 "warnings": list(self.warnings)}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _check(combo: compat.Combo) -> compat.Verdict:
     return compat.check(combo)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from .build import BuildOptions, Builder, load_record
+from .build import Builder, BuildOptions, load_record
 from .errors import MoptError, PublishError, SmokeTestError
 from .matrix import load_matrix
 from .plan import Variant, make_plan
