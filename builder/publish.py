@@ -603,6 +603,14 @@ def _error_lines(output: str, n: int = 6) -> str:
     return " | ".join((useful or lines)[-n:]) or "(no output)"
 
 
+_LAYER_PROGRESS = re.compile(r"^\s*[0-9a-f]{12}: ")
+
+
+def _worth_logging(line: str) -> bool:
+    """Per-layer progress lines are noise in a release log; keep the rest (digest line, errors)."""
+    return bool(line.strip()) and not _LAYER_PROGRESS.match(line)
+
+
 def docker_push(docker: DockerCli, ref: str, config_dir: Path, *, log: Log,
                 redact: Iterable[str] = ()) -> str:
     """``docker push ref`` with DOCKER_CONFIG=config_dir; return the pushed manifest digest.
@@ -616,7 +624,7 @@ def docker_push(docker: DockerCli, ref: str, config_dir: Path, *, log: Log,
     for attempt in range(1, attempts + 1):
         res = run_docker(["push", ref], docker=docker, check=False, env={"DOCKER_CONFIG": str(config_dir)},
                          timeout=PUSH_TIMEOUT_S, redact=secrets, error_cls=PublishError,
-                         log=lambda line: log(f"    {line}") if line.strip() else None)
+                         log=lambda line: log(f"    {line}") if _worth_logging(line) else None)
         output = (res.stdout or "") + (res.stderr or "")
         kind = classify_push_output(output)
         digests = [m.group("digest") for m in _PUSH_DIGEST_RE.finditer(output) if m.group("tag") == tag]

@@ -80,6 +80,9 @@ class ReleaseReport:
             reason = v.reason.replace("|", "\\|").replace("\n", " ")[:200] if v.reason else ""
             lines.append(f"| `{v.id}` | {v.status} | {built} | {mark[v.tested]} | {mark[v.published]} | {size} | "
                          f"{d.get('build', '-')} | {d.get('test', '-')} | {d.get('publish', '-')} | {reason} |")
+        notes = [(v.id, note) for v in self.variants for note in v.notes]
+        if notes:
+            lines += ["", "## notes", ""] + [f"- `{vid}`: {note}" for vid, note in notes]
         for title, rows in self._grids().items():
             lines += ["", f"## {title}", "", rows]
         if self.rejected:

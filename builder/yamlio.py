@@ -48,9 +48,13 @@ def _compose_positions(node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int]
 
 
 def _reject_duplicate_keys(node: yaml.Node, file: str) -> None:
+    """Duplicate or non-scalar keys: PyYAML would silently keep the last one, or crash on hashing."""
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise ConfigError("a mapping key must be a plain value, not a list or mapping", file=file,
+                                  line=key_node.start_mark.line + 1)
             if key_node.value in seen:
                 raise ConfigError(f"duplicate key {key_node.value!r}", file=file,
                                   line=key_node.start_mark.line + 1)

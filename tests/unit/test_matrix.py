@@ -126,3 +126,9 @@ def test_missing_recipe_file(workdir):
     path = edit(workdir, lambda d: d["images"]["minilm-embed"].__setitem__("recipe", "images/nope/image.yaml"))
     with pytest.raises(ConfigError, match="recipe file not found"):
         load_matrix(path)
+
+
+def test_non_scalar_key_is_a_config_error(workdir):
+    (workdir / "matrix.yaml").write_text("{{}}\n")  # found by the hypothesis fuzzer: a mapping as a key
+    with pytest.raises(ConfigError, match="mapping key must be a plain value"):
+        load_matrix(workdir / "matrix.yaml")
