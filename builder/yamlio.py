@@ -6,6 +6,7 @@ see a traceback for a typo.
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -17,6 +18,7 @@ import yaml
 from .errors import ConfigError
 
 KeyPath = tuple[str | int, ...]
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def format_path(path: KeyPath) -> str:
@@ -25,8 +27,10 @@ def format_path(path: KeyPath) -> str:
     for part in path:
         if isinstance(part, int):
             out += f"[{part}]"
-        else:
+        elif _PLAIN_KEY.match(str(part)):
             out += ("." if out else "") + str(part)
+        else:  # odd keys (spaces, newlines, dots) shown quoted, so the message stays one line
+            out += f"[{str(part)!r}]"
     return out or "(top level)"
 
 
