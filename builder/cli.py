@@ -297,6 +297,55 @@ def demo(matrix_path: str, state_dir: Path, ca_bundle, find_links, index_url, ex
                                          extra_index_url, models), registry_port, serve_port)
 
 
+@cli.command()
+@format_option
+def doctor(fmt: str) -> None:
+    """Check this host for what a deployer needs: Docker, BuildKit, NVIDIA driver and GPUs, runtime, shm, disk."""
+    from .doctor import inspect_host
+
+    facts = inspect_host()
+    if fmt == "json":
+        _echo_json({"driver": facts.driver, "gpus": [{"index": g.index, "name": g.name, "cc": g.cc, "sm": g.sm}
+                                                     for g in facts.gpus],
+                    "checks": [c.__dict__ for c in facts.checks]})
+    else:
+        colour = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
+        for c in facts.checks:
+            stdout.print(f"[{colour[c.status]}]{c.status:>4}[/] {c.name:<26} {escape(c.detail)}")
+            if c.fix and c.status != "ok":
+                stdout.print(f"     {'':<26} fix: {escape(c.fix)}")
+    if any(c.status == "fail" for c in facts.checks):
+        raise MoptError("")
+
+
+@cli.command()
+@matrix_option
+@click.argument("image")
+@click.option("--flavour", help="Only this flavour (e.g. vllm).")
+@click.option("--gpu", help="Pretend this GPU (a name from the knowledge base, e.g. 'A10') instead of the host's.")
+@click.option("--sm", help="Pretend this GPU arch instead of the host's.")
+@click.option("--driver", help="Pretend this driver version instead of the host's.")
+@format_option
+def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm: str | None, driver: str | None,
+         fmt: str) -> None:
+    """Name the published tag of IMAGE that fits this host (driver floor, sm), or say why none does."""
+    from .doctor import HostFacts, facts_override, query_gpus
+    from .doctor import pick as pick_tag
+    from .plan import make_plan
+
+    matrix = _load(matrix_path)
+    host_driver, host_gpus, _ = query_gpus() if not (gpu or sm) else (None, (), "")
+    facts = facts_override(HostFacts(driver=host_driver, gpus=host_gpus), gpu, sm, driver)
+    tag, why_not = pick_tag(make_plan(matrix), image, facts, flavour)
+    reference = f"{matrix.namespace}/{image}:{tag}"
+    if fmt == "json":
+        _echo_json({"image": image, "tag": tag, "reference": reference, "rejected": why_not})
+        return
+    click.echo(reference)
+    for line in why_not:
+        stderr.print(f"  - {escape(line)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="mopt", standalone_mode=False)

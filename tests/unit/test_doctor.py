@@ -1,0 +1,75 @@
+"""mopt pick: which published tag fits a host (driver floor, sm); mopt doctor on this GPU-less host."""
+import json
+
+import pytest
+
+from builder.doctor import Gpu, HostFacts, facts_override, pick
+from builder.errors import ConfigError
+from builder.matrix import load_matrix
+from builder.plan import make_plan
+from tests.conftest import run_mopt
+
+
+@pytest.fixture(scope="module")
+def plan(request):
+    from pathlib import Path
+
+    return make_plan(load_matrix(Path(__file__).resolve().parents[2] / "matrix.yaml"))
+
+
+def test_pick_newest_cuda_the_driver_runs(plan):
+    facts = HostFacts(driver="550.54.14", gpus=(Gpu(0, "NVIDIA A10", "8.6"),))
+    tag, why = pick(plan, "qwen3-embed", facts)
+    assert tag == "cu124-sm86"  # 12.8 needs 570.26, 13.0 needs 580.65.06
+    assert any("cu128-sm86: CUDA 12.8 needs driver >= 570.26" in line for line in why)
+
+
+def test_pick_flavour(plan):
+    facts = HostFacts(driver="580.82.07", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))
+    assert pick(plan, "qwen3-embed", facts)[0] == "cu130-sm90"
+    assert pick(plan, "qwen3-embed", facts, "vllm")[0] == "cu130-sm90-vllm"
+
+
+def test_pick_unsupported_arch_falls_back_to_cpu_and_says_why(plan):
+    facts = HostFacts(driver="580.82.07", gpus=(Gpu(0, "Tesla P100", "6.0"),))
+    tag, why = pick(plan, "qwen3-embed", facts)
+    assert tag == "cpu" and "no tag is built for sm_60" in why[0]
+
+
+def test_pick_without_cpu_variant_is_incompatible(plan):
+    facts = HostFacts(driver="470.82.01", gpus=(Gpu(0, "NVIDIA A10", "8.6"),))
+    with pytest.raises(Exception) as exc:
+        pick(plan, "qwen3-embed", facts, "vllm")
+    assert exc.value.exit_code == 3 and "no published tag of qwen3-embed fits" in str(exc.value)
+
+
+def test_pick_unknown_image(plan):
+    with pytest.raises(ConfigError, match="not in the matrix"):
+        pick(plan, "nope", HostFacts())
+
+
+def test_overrides_from_gpu_name_and_sm():
+    assert facts_override(HostFacts(), "L4", None, "550.54.14").gpus[0].sm == "89"
+    assert facts_override(HostFacts(), None, "sm_120", None).gpus[0].cc == "12.0"
+    with pytest.raises(ConfigError):
+        facts_override(HostFacts(), None, None, "five-three-five")
+
+
+def test_pick_cli_on_this_host():
+    result = run_mopt("pick", "minilm-embed", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["reference"] == "mopt/minilm-embed:cpu"
+    result = run_mopt("pick", "qwen3-embed", "--gpu", "A100", "--driver", "535.54.03")
+    assert result.returncode == 0 and result.stdout.strip() == "mopt/qwen3-embed:cu121-sm80"
+    assert run_mopt("pick", "qwen3-embed", "--gpu", "Voodoo 3").returncode == 2
+
+
+@pytest.mark.integration
+def test_doctor_on_a_host_without_gpu():
+    result = run_mopt("doctor", "--format", "json")
+    data = json.loads(result.stdout)
+    names = {c["name"]: c for c in data["checks"]}
+    assert {"docker", "buildkit", "nvidia-driver", "shm", "disk"} <= set(names)
+    assert names["docker"]["status"] == "ok", names["docker"]
+    assert data["gpus"] == [] and names["nvidia-driver"]["status"] == "info"
+    assert result.returncode == 0
