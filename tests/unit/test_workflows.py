@@ -33,11 +33,10 @@ def test_workflows_match_the_schema():
 
 
 def test_the_schema_check_catches_a_broken_workflow(tmp_path):
-    broken = yaml.safe_load(WORKFLOWS[0].read_text())
-    del broken["jobs"]["test"]["runs-on"]
-    broken["jobs"]["test"]["timeout-minutes"] = "ninety"
+    text = (REPO / ".github/workflows/ci.yml").read_text()
+    assert "    runs-on: [self-hosted, linux, x64, debian-12]\n" in text
     path = tmp_path / "broken.yml"
-    path.write_text(yaml.safe_dump(broken))
+    path.write_text(text.replace("    runs-on: [self-hosted, linux, x64, debian-12]\n", ""))  # a job needs runs-on
     assert validate([path]).returncode != 0
 
 
