@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
+
+import jinja2
 
 STATUSES = ("published", "tested", "built", "failed", "skipped")
 
@@ -90,21 +93,37 @@ class ReleaseReport:
             lines += [f"- `{r['id']}`: {' '.join(r['reasons'])}" for r in self.rejected]
         return "\n".join(lines) + "\n"
 
-    def _grids(self) -> dict:
+    def _grid_data(self) -> list[tuple[str, dict]]:
         """A CUDA x sm grid per image flavour, the way users look for their tag."""
-        grids = {}
         groups: dict = {}
         for v in self.variants:
             if v.cuda and v.sm:
                 groups.setdefault((v.image, v.flavour), []).append(v)
+        grids = []
         for (image, flavour), items in groups.items():
             cudas = sorted({v.cuda for v in items}, key=lambda c: tuple(map(int, c.split("."))))
             sms = sorted({v.sm for v in items}, key=lambda s: int("".join(ch for ch in s if ch.isdigit())))
-            cell = {(v.cuda, v.sm): v.status for v in items}
-            rows = ["| cuda \\ sm | " + " | ".join(sms) + " |", "| --- |" + " --- |" * len(sms)]
-            rows += [f"| {c} | " + " | ".join(cell.get((c, s), "n/a") for s in sms) + " |" for c in cudas]
-            grids[f"{image} / {flavour}"] = "\n".join(rows)
+            grids.append((f"{image} / {flavour}",
+                          {"cudas": cudas, "sms": sms, "cells": {(v.cuda, v.sm): v for v in items}}))
         return grids
+
+    def _grids(self) -> dict:
+        grids = {}
+        for title, grid in self._grid_data():
+            sms, cells = grid["sms"], grid["cells"]
+            rows = ["| cuda \\ sm | " + " | ".join(sms) + " |", "| --- |" + " --- |" * len(sms)]
+            rows += [f"| {c} | " + " | ".join(cells[(c, s)].status if (c, s) in cells else "n/a" for s in sms) + " |"
+                     for c in grid["cudas"]]
+            grids[title] = "\n".join(rows)
+        return grids
+
+    def html(self) -> str:
+        """A self-contained page (inline CSS, no scripts, no external assets)."""
+        env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+        template = env.from_string(resources.files("builder").joinpath("data", "report.html.j2").read_text("utf-8"))
+        return template.render(steps=self.steps, registry=self.registry, summary=self.summary(),
+                               wall=self.finished - self.started, grids=self._grid_data(), variants=self.variants,
+                               rejected=self.rejected)
 
     def write(self, directory: Path) -> tuple[Path, Path]:
         directory.mkdir(parents=True, exist_ok=True)
@@ -112,6 +131,7 @@ class ReleaseReport:
         json_path, md_path = directory / f"release-{stamp}.json", directory / f"release-{stamp}.md"
         json_path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         md_path.write_text(self.markdown())
-        (directory / "latest.json").write_text(json_path.read_text())
-        (directory / "latest.md").write_text(md_path.read_text())
+        (directory / f"release-{stamp}.html").write_text(self.html())
+        for suffix in ("json", "md", "html"):
+            (directory / f"latest.{suffix}").write_text((directory / f"release-{stamp}.{suffix}").read_text())
         return json_path, md_path

@@ -37,6 +37,7 @@ PACKAGES=(
     python3 python3-venv python3-dev
     gcc g++              # AOTInductor on CPU needs a C++ compiler
     curl ca-certificates git xz-utils
+    chromium             # headless rendering check of the HTML release report
 )
 
 is_installed() {
