@@ -11,6 +11,8 @@ import importlib
 from ..errors import UsageError
 
 BACKENDS = {"torch-aot": "torch_aot"}
+# CUDA engine while AOTInductor .pt2 loading segfaults there (torch 2.11+cu130 on the H200)
+BACKENDS["torch-compile-cache"] = "torch_compile_cache"
 
 
 def get_backend(name: str):

@@ -1,0 +1,107 @@
+"""CPU coverage of the code paths the H200 run used: the torch-compile-cache backend (compile,
+guard over its many files, load from a read-only-style copy, batch-1 padding), and
+benchmarks/gpu_bench.py's arguments and model configuration."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the runtime needs torch")
+pytest.importorskip("transformers", reason="the runtime needs transformers")
+
+from builder.runtime import fingerprint, guard  # noqa: E402
+from builder.runtime.backends import get_backend  # noqa: E402
+from builder.runtime.compiler import compile_engine, cosine  # noqa: E402
+from builder.runtime.engine import Engine  # noqa: E402
+from builder.runtime.errors import GuardError  # noqa: E402
+from builder.runtime.params import EngineParams  # noqa: E402
+from builder.runtime.tiny_qwen3 import make_tiny_qwen3  # noqa: E402
+
+pytestmark = pytest.mark.runtime
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = ["hello world", "the cat is on the tree", "paris is the capital of france"]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def cache_engine(tmp_path_factory):
+    tiny = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+    out = tmp_path_factory.mktemp("cc") / "out"
+    params = EngineParams(backend="torch-compile-cache", max_batch=4, max_seq_len=32, pooling="last",
+                          model_dir=str(tiny))
+    summary = compile_engine(tiny, out, params, reference_texts=TEXTS)
+    return out, summary
+
+
+def test_compile_cache_engine_matches_reference_and_ships_its_caches(cache_engine, tmp_path, monkeypatch):
+    out, summary = cache_engine
+    assert summary["engine_min_cosine"] >= 0.999
+    data = fingerprint.read(out)
+    files = data["engine_files"]
+    assert data["artifact"] == "compile_cache.json" and data["engine_sha256"] == files["compile_cache.json"]
+    assert "weights/model.safetensors" in files
+    assert any(f.startswith("inductor-cache/") for f in files)  # the compiled caches travel
+    manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
+    assert manifest["warmup"] and set(manifest["files"]) <= set(files)
+    # A second process-equivalent load: caches copied to a fresh writable dir, batch 1 and > 1 agree.
+    monkeypatch.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
+    eng = Engine.open(out)
+    assert (tmp_path / "rt" / "cache").is_dir()
+    one = [eng.embed_texts([t])[0] for t in TEXTS]
+    many = eng.embed_texts(TEXTS)
+    assert min(cosine(a, b) for a, b in zip(one, many, strict=True)) > 0.9999
+    ref = json.loads((out / "reference.json").read_text())["embeddings"]
+    assert min(cosine(a, b) for a, b in zip(many, ref, strict=True)) > 0.999
+
+
+def test_guard_covers_every_cache_file(cache_engine):
+    out, _ = cache_engine
+    cached = sorted(f for f in fingerprint.read(out)["engine_files"] if f.startswith("inductor-cache/"))
+    victim = out / "engine" / cached[0]
+    original = victim.read_bytes()
+    try:
+        victim.write_bytes(original + b"#")
+        with pytest.raises(GuardError, match="sha256 differs"):
+            guard.check(out)
+    finally:
+        victim.write_bytes(original)
+    guard.check(out)
+
+
+def test_single_row_is_padded_to_two_rows():
+    import torch
+
+    mod = get_backend("torch-compile-cache")
+    seen = []
+
+    def fake(ids, mask):
+        seen.append(tuple(ids.shape))
+        return ids.float().sum(dim=1, keepdim=True)
+
+    ids = torch.tensor([[3, 4, 5]])
+    out = mod._call(fake, ids, torch.ones_like(ids))
+    assert seen == [(2, 3)] and out.shape == (1, 1) and out.item() == 12.0
+    assert mod._call(fake, torch.ones(3, 5, dtype=torch.long), torch.ones(3, 5, dtype=torch.long)).shape == (3, 1)
+    assert mod.warmup_shapes(EngineParams(max_batch=64, max_seq_len=512)) == [(2, 16)]
+
+
+def test_bench_arguments_and_qwen3_config():
+    bench = _bench()
+    a = bench.parse_args(["--out", "x"])
+    assert (a.layers, a.batch, a.seq, a.precision, a.device) == (28, 64, 512, "bf16", "cuda")
+    cfg = bench.model_config(a.layers)
+    assert cfg == {"vocab_size": 151669, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6,
+                   "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 32768}
+    assert bench.model_config(8)["num_hidden_layers"] == 8 and bench.model_config(2, tiny=True)["hidden_size"] == 64
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu"])  # bf16 on cpu is refused
