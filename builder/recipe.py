@@ -61,6 +61,7 @@ class Recipe:
     smoke_inputs: tuple[str, ...]
     min_cosine: float
     start_timeout_s: int
+    task: str = "embedding"  # embedding | chat (chat recipes have no embedding block)
 
     def precision_for(self, device: str) -> str:
         return self.engine.cpu_precision if device == "cpu" else self.engine.precision
@@ -102,9 +103,9 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         substitute=ModelSource.parse(substitute["source"]) if substitute else None,
         substitute_dimension=substitute["dimension"] if substitute else None,
         substitute_why=substitute["why"] if substitute else "",
-        pooling=data["embedding"]["pooling"],
-        normalize=data["embedding"]["normalize"],
-        instruction=data["embedding"].get("instruction", ""),
+        pooling=data.get("embedding", {}).get("pooling", "last"),
+        normalize=data.get("embedding", {}).get("normalize", False),
+        instruction=data.get("embedding", {}).get("instruction", ""),
         engine=EngineParams(
             max_batch=engine["max_batch"],
             max_seq_len=engine["max_seq_len"],
@@ -121,4 +122,5 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         smoke_inputs=tuple(smoke["inputs"]),
         min_cosine=float(smoke["min_cosine"]),
         start_timeout_s=smoke.get("start_timeout_s", 120),
+        task=data.get("task", "embedding"),
     )

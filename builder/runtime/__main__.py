@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output dir: engine/, engine.json, reference.json")
     c.add_argument("--backend", default="torch-aot")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    c.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    c.add_argument("--precision", choices=("fp32", "bf16", "fp16", "int8", "fp8"), default="fp32",
+                   help="int8 and fp8: tensorrt only")
     c.add_argument("--max-batch", type=int, default=32)
     c.add_argument("--max-seq-len", type=int, default=512)
     c.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean")
@@ -52,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")
+    t = c.add_argument_group("tensorrt", "optimisation profile and builder options (--backend tensorrt)")
+    t.add_argument("--trt-min-batch", type=int, default=1)
+    t.add_argument("--trt-opt-batch", type=int, default=0, help="0: --max-batch")
+    t.add_argument("--trt-min-seq-len", type=int, default=2)
+    t.add_argument("--trt-opt-seq-len", type=int, default=0, help="0: --max-seq-len")
+    t.add_argument("--trt-opset", type=int, default=17, help="ONNX opset (>= 17)")
+    t.add_argument("--trt-hardware-compatibility", default="none",
+                   choices=("none", "ampere_plus", "same_compute_capability"))
+    t.add_argument("--trt-version-compatible", action=argparse.BooleanOptionalAction, default=False)
+    t.add_argument("--trt-timing-cache", action=argparse.BooleanOptionalAction, default=True)
+    t.add_argument("--trt-workspace-mib", type=int, default=4096)
 
     k = sub.add_parser("check", help="run the start-up guard only (exit 3 on mismatch)")
     k.add_argument("--engine-dir", required=True)
@@ -86,7 +98,8 @@ def cmd_compile(a) -> dict:
     params = EngineParams(backend=a.backend, device=a.device, precision=a.precision, max_batch=a.max_batch,
                           max_seq_len=a.max_seq_len, pooling=a.pooling, normalize=a.normalize,
                           instruction=a.instruction, model_dir=str(model.resolve()),
-                          model_name=a.model_name or (image or {}).get("repository") or model.resolve().name)
+                          model_name=a.model_name or (image or {}).get("repository") or model.resolve().name,
+                          **{k: getattr(a, k) for k in vars(a) if k.startswith("trt_")})
     return compile_engine(model, a.out, params, target_sm=a.target_sm, image=image,
                           reference_texts=texts, verify=a.verify)
 
@@ -100,11 +113,16 @@ def cmd_check(a) -> dict:
 
 
 def cmd_serve(a) -> None:
+    from .backends import get_backend
     from .engine import Engine
     from .guard import resolve
     from .server import EmbeddingService, ServerLimits, serve
 
-    engine_dir, _ = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+    engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+    exec_serve = getattr(get_backend(data["backend"]), "exec_serve", None)
+    if exec_serve is not None:  # vllm, tensorrt-llm: the guard ran; their own OpenAI server takes over
+        exec_serve(engine_dir, data, a.host, a.port)
+        return
     engine = Engine.open(engine_dir)
     limits = ServerLimits(max_batch=a.max_batch or engine.params.max_batch, max_wait_ms=a.max_wait_ms,
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,

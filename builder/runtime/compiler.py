@@ -82,6 +82,7 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
         "embedding_dim": info["embedding_dim"], "export_dims": info.get("export_dims"),
         "model_digest": fingerprint.model_digest(model_dir),
         "params": params.to_dict(), "image": image, "compile_seconds": compile_seconds,
+        **(info.get("fingerprint") or {}),  # backend-specific facts (e.g. vLLM's cache digest)
         **(extra or {}),
     }
     texts = list(reference_texts) if reference_texts else list(DEFAULT_TEXTS)

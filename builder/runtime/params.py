@@ -6,7 +6,10 @@ from dataclasses import asdict, dataclass, fields
 from .errors import UsageError
 
 POOLINGS = ("mean", "last", "cls")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
+# int8 and fp8 are TensorRT builder flags (fp16 kernels as fallback); other backends take these.
+FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
+HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 DEVICES = ("cpu", "cuda")
 # The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
 SEQ_BUCKET = 8
@@ -26,6 +29,17 @@ class EngineParams:
     model_dir: str | None = None
     model_name: str | None = None
     shape_policy: str = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
+    # TensorRT optimisation profile and builder options (recipe engine.tensorrt; ignored elsewhere).
+    # opt values of 0 mean "max_batch" / "max_seq_len".
+    trt_min_batch: int = 1
+    trt_opt_batch: int = 0
+    trt_min_seq_len: int = 2
+    trt_opt_seq_len: int = 0
+    trt_opset: int = 17
+    trt_hardware_compatibility: str = "none"
+    trt_version_compatible: bool = False
+    trt_timing_cache: bool = True
+    trt_workspace_mib: int = 4096
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -34,6 +48,14 @@ class EngineParams:
             raise UsageError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.pooling not in POOLINGS:
             raise UsageError(f"--pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.precision not in FLOAT_PRECISIONS and self.backend != "tensorrt":
+            raise UsageError(f"--precision {self.precision} is a TensorRT precision; {self.backend} takes "
+                             f"{', '.join(FLOAT_PRECISIONS)}")
+        if self.trt_hardware_compatibility not in HARDWARE_COMPATIBILITY:
+            raise UsageError(f"--trt-hardware-compatibility must be one of {HARDWARE_COMPATIBILITY}, "
+                             f"got {self.trt_hardware_compatibility!r}")
+        if self.trt_opset < 17:
+            raise UsageError(f"--trt-opset must be >= 17, got {self.trt_opset}")
         if self.device == "cpu" and self.precision != "fp32":
             # Half precision on CPU is slow and its accuracy vs the fp32 reference is not checked.
             raise UsageError(f"--precision {self.precision} needs --device cuda; use fp32 on cpu")

@@ -10,7 +10,7 @@ import importlib
 
 from ..errors import UsageError
 
-BACKENDS = {"torch-aot": "torch_aot"}
+BACKENDS = {"torch-aot": "torch_aot", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm", "vllm": "vllm_backend"}
 # CUDA engine while AOTInductor .pt2 loading segfaults there (torch 2.11+cu130 on the H200)
 BACKENDS["torch-compile-cache"] = "torch_compile_cache"
 

@@ -15,5 +15,14 @@ exec python -m mopt_runtime compile \
   --normalize \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
   --target-sm 86 \
+  --trt-min-batch 1 \
+  --trt-opt-batch 16 \
+  --trt-min-seq-len 2 \
+  --trt-opt-seq-len 128 \
+  --trt-opset 17 \
+  --trt-hardware-compatibility none \
+  --no-trt-version-compatible \
+  --trt-timing-cache \
+  --trt-workspace-mib 4096 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json
