@@ -346,6 +346,46 @@ def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm:
         stderr.print(f"  - {escape(line)}")
 
 
+@cli.command("export")
+@matrix_option
+@select_option
+@state_option
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle directory, or a .tar file.")
+@click.option("--format", "image_format", type=click.Choice(["docker", "oci"]), default="docker", show_default=True,
+              help="docker archive (docker load) or OCI archive (skopeo).")
+def export_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path, out: Path, image_format: str) -> None:
+    """Write an air-gap bundle: images, sha256 sums, lock, report and a CycloneDX SBOM per image."""
+    from .build import load_record
+    from .bundle import export
+    from .release import smoke_passed
+
+    matrix, result = _plan(matrix_path, select)
+    chosen = []
+    for variant in result.variants:
+        record = load_record(state_dir, variant)
+        if record is None or not smoke_passed(state_dir, variant, record):
+            raise ConfigError(f"{variant.id} has not been built and smoke-tested here (mopt release --select "
+                              f"'{variant.id}'); only tested images are exported")
+        recipe = next(e for e in matrix.images if e.name == variant.image).recipe
+        chosen.append((variant, record, {"port": recipe.port, "inputs": list(recipe.smoke_inputs),
+                                         "dimension": record["model"]["dimension"], "min_cosine": recipe.min_cosine,
+                                         "normalize": recipe.normalize, "start_timeout_s": recipe.start_timeout_s}))
+    path = export(chosen, out, state_dir=state_dir, fmt=image_format, log=click.echo)
+    click.echo(f"bundle: {path}")
+
+
+@cli.command("install")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--no-smoke", is_flag=True, help="Load and verify only; skip the local smoke test.")
+def install_cmd(bundle: Path, no_smoke: bool) -> None:
+    """Verify a bundle's checksums, load its images, check the host, smoke-test each image here."""
+    from .bundle import install
+
+    results = install(bundle, smoke=not no_smoke, log=click.echo)
+    for r in results:
+        click.echo(f"{r['id']}: loaded, smoke test {r['smoke']}")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="mopt", standalone_mode=False)
