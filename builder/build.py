@@ -20,7 +20,8 @@ from pathlib import Path
 
 from . import base as base_module
 from .dockerclient import DockerCli, find_docker, run_docker
-from .errors import BuildError, EnvironmentProblem
+from .errors import BuildError, ConfigError, EnvironmentProblem
+from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
 from .models import LocalModel, choose, materialise
 from .plan import Variant
@@ -30,6 +31,7 @@ Log = Callable[[str], None]
 STAGE_REPO = "mopt-stage"
 KEY_LABEL = "io.mopt.stage.key"
 ROLE_LABEL = "io.mopt.role"
+PARTIAL_SUFFIX = "-partial"  # stage images are built under <tag>-partial, then tagged <tag> once verified
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class BuildOptions:
     models: str = "auto"  # source | substitute | auto
     min_free_gib: float = 4.0
     gpus: bool = True  # request GPUs for cuda variants' compile step
+    lock_file: Path | None = None  # build --locked: pip --require-hashes and apt name=version from this lock
+    force: bool = False  # rebuild every stage without cache and recompile (verify-repro)
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,8 @@ class Builder:
         log = self._logfile(variant, stage)
         argv = [*self.docker.build_cmd()[1:], "--progress=plain", "-f", str(dockerfile), "-t", tag,
                 "--label", f"{KEY_LABEL}={key}"]
+        if self.options.force:
+            argv.append("--no-cache")
         for name, value in {**labels}.items():
             argv += ["--label", f"{name}={value}"]
         for name, value in build_args.items():
@@ -220,11 +226,18 @@ class Builder:
     def _stage(self, variant: Variant, name: str, key: str, build: Callable[[str], str]) -> StageResult:
         tag = f"{STAGE_REPO}/{name}:{key[:32]}"
         start = time.monotonic()
-        info = self._inspect(tag)
+        info = None if self.options.force else self._inspect(tag)
         if info and (info["Config"].get("Labels") or {}).get(KEY_LABEL) == key:
             self.log(f"  {name}: up to date ({tag})")
             return StageResult(name, key, tag, info["Id"], True, 0.0)
-        image_id = build(tag)
+        # Atomic stage tags: build (and verify) under a temporary tag, then tag the real one in a single
+        # `docker tag`. An interrupted build leaves at most the temporary tag, which the next run drops:
+        # never a stage tag that a later run would take as up to date.
+        partial = f"{tag}{PARTIAL_SUFFIX}"
+        run_docker(["rmi", "--no-prune", partial], docker=self.docker, check=False)
+        image_id = build(partial)
+        run_docker(["tag", image_id, tag], docker=self.docker)
+        run_docker(["rmi", "--no-prune", partial], docker=self.docker, check=False)
         return StageResult(name, key, tag, image_id, False, round(time.monotonic() - start, 1))
 
     def _run_in_runtime(self, variant: Variant, runtime: StageResult, mounts: list[tuple[Path, str, str]],
@@ -248,7 +261,7 @@ class Builder:
         target_sm = variant.resolved.get("sm") or "cpu"
         key = _key(compile_stage["key"], runtime.image_id, model.digest, target_sm)
         engine_dir = self.state / "engines" / key[:32]
-        if (engine_dir / ".complete").exists():
+        if (engine_dir / ".complete").exists() and not self.options.force:
             self.log(f"  compile: engine up to date ({engine_dir})")
             return StageResult("compile", key, str(engine_dir), "", True, 0.0)
         start = time.monotonic()
@@ -291,19 +304,24 @@ class Builder:
         stages = []
 
         base_ref, base_id = self._base_image(variant)
-        empty_context = self.state / "contexts" / "empty"
-        (empty_context / "wheelhouse").mkdir(parents=True, exist_ok=True)
-        base = self._stage(variant, "base", _key(keys["base"], base_id), lambda tag: self._docker_build(
-            variant, "base", render_dir / "Dockerfile.base", empty_context, tag, _key(keys["base"], base_id),
+        lock_files = self._lock_files(variant, render_dir, base_id)
+        lock_digest = _key(*(f"{name}\n{text}" for name, text in sorted(lock_files.items())))
+        base_context = self.state / "contexts" / f"base-{lock_digest[:16]}"
+        self._write_context_lock(base_context, lock_files)
+        (base_context / "wheelhouse").mkdir(parents=True, exist_ok=True)
+        base_key = _key(keys["base"], base_id, lock_digest)
+        base = self._stage(variant, "base", base_key, lambda tag: self._docker_build(
+            variant, "base", render_dir / "Dockerfile.base", base_context, tag, base_key,
             {"BASE_IMAGE": base_ref}, {"io.mopt.base.id": base_id}))
         stages.append(base)
 
-        runtime_key = _key(keys["runtime"], base.image_id, self._wheelhouse_digest())
+        runtime_key = _key(keys["runtime"], base.image_id, self._wheelhouse_digest(), lock_digest)
 
         def build_runtime(tag: str) -> str:
             context = self.state / "contexts" / f"runtime-{runtime_key[:32]}"
             shutil.rmtree(context, ignore_errors=True)
             _link_tree(RUNTIME_PACKAGE, context / "mopt_runtime")
+            self._write_context_lock(context, lock_files)
             (context / "wheelhouse").mkdir(parents=True)
             for wheel in self.wheelhouse:
                 _link_or_copy(wheel, context / "wheelhouse" / wheel.name)
@@ -345,7 +363,8 @@ class Builder:
         final = self._stage(variant, "final", final_key, build_final)
         stages.append(final)
         references = (f"{variant.repository}:{variant.tag}", f"{variant.repository}:{variant.long_tag}")
-        for ref in references:
+        # The final image is verified (parent check) before these tags; long tag first, as in publish.
+        for ref in reversed(references):
             run_docker(["tag", final.image_id, ref], docker=self.docker)
         info = self._inspect(final.image_id) or {}
         result = BuildResult(
@@ -355,6 +374,34 @@ class Builder:
             dimension=model.dimension, notes=(model.note,) if model.note else ())
         self._record(variant, result)
         return result
+
+    def _lock_files(self, variant: Variant, render_dir: Path, base_id: str) -> dict[str, str]:
+        """lock/ in the base and runtime contexts: empty unless --locked (then the pinned sets)."""
+        if self.options.lock_file is None:
+            return {}
+        path = self.options.lock_file
+        entry = lock_entry(read_lock(path), path, variant, render_dir)
+        base = entry.get("base", {})
+        rootfs = base_module.load_base(self.state / "bases", base.get("ref", "")) if base.get("kind") == "rootfs" \
+            else None
+        if base.get("kind") == "rootfs" and (rootfs is None or rootfs.rootfs_sha256 != base.get("rootfs_sha256")):
+            raise ConfigError(f"{path} is stale for {variant.id}: base {base.get('ref')} is not the locked rootfs "
+                              f"(sha256 {str(base.get('rootfs_sha256'))[:12]}); run mopt lock")
+        if base.get("kind") == "image" and base.get("image_id") != base_id:
+            raise ConfigError(f"{path} is stale for {variant.id}: base {base.get('ref')} is {base_id[:19]}, "
+                              f"the lock has {str(base.get('image_id'))[:19]}; run mopt lock")
+        self.log(f"  locked: {len(entry['python'])} Python packages (hashes), {len(entry['debian'])} Debian packages")
+        return {"requirements.txt": requirements_text(entry), "debian.txt": "\n".join(entry["debian"]) + "\n"}
+
+    @staticmethod
+    def _write_context_lock(context: Path, files: dict[str, str]) -> None:
+        lock_dir = context / "lock"
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        for stale in lock_dir.iterdir():
+            if stale.name not in files:
+                stale.unlink()
+        for name, text in files.items():
+            (lock_dir / name).write_text(text)
 
     def _verify_parent(self, variant: Variant, runtime: StageResult, tag: str) -> None:
         """The final image must sit on exactly the runtime image the engine was compiled in."""
@@ -368,7 +415,8 @@ class Builder:
     def _record(self, variant: Variant, result: BuildResult) -> None:
         path = self.state / "variants" / variant.image / f"{variant.tag}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dump_json({
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # atomic: a killed build leaves the old record
+        tmp.write_text(dump_json({
             "id": variant.id, "image_id": result.image_id, "references": list(result.references),
             "engine_dir": str(result.engine_dir), "engine_sha256": result.engine_sha256,
             "model": {"source": result.model.source, "digest": result.model.digest,
@@ -376,6 +424,7 @@ class Builder:
             "stages": [{"name": s.name, "key": s.key, "image": s.image, "image_id": s.image_id,
                         "skipped": s.skipped, "seconds": s.seconds} for s in result.stages],
             "size_bytes": result.size_bytes}))
+        os.replace(tmp, path)
 
 
 def load_record(state_dir: Path, variant: Variant) -> dict | None:

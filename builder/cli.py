@@ -163,7 +163,8 @@ state_option = click.option("--state-dir", type=click.Path(file_okay=False, path
 
 
 def _build_options(state_dir: Path, matrix_path: str, ca_bundle: str | None, find_links: tuple[str, ...],
-                   index_url: str | None, extra_index_url: tuple[str, ...], models: str):
+                   index_url: str | None, extra_index_url: tuple[str, ...], models: str, locked: bool = False,
+                   force: bool = False):
     from .build import BuildOptions, default_ca_bundle, default_find_links
 
     if ca_bundle == "none":
@@ -178,9 +179,18 @@ def _build_options(state_dir: Path, matrix_path: str, ca_bundle: str | None, fin
     for link in links:
         if not link.is_dir():
             raise ConfigError(f"--find-links {link}: not a directory")
+    lock_file = _lock_path(matrix_path) if locked else None
+    if lock_file is not None and not lock_file.is_file():
+        raise ConfigError(f"--locked but {lock_file} does not exist (run mopt lock first)")
     return BuildOptions(state_dir=state_dir.resolve(), templates=Path(matrix_path).resolve().parent / "templates",
                         ca_bundle=ca, find_links=links, pip_index_url=index_url,
-                        pip_extra_index_urls=tuple(extra_index_url), models=models)
+                        pip_extra_index_urls=tuple(extra_index_url), models=models, lock_file=lock_file, force=force)
+
+
+def _lock_path(matrix_path: str) -> Path:
+    from .lock import LOCK_FILE
+
+    return Path(matrix_path).resolve().parent / LOCK_FILE
 
 
 def hermetic_options(fn):
@@ -229,13 +239,36 @@ def base(matrix_path: str, names: tuple[str, ...], state_dir: Path) -> None:
 @select_option
 @state_option
 @hermetic_options
+@click.option("--locked", is_flag=True, help="Install exactly what mopt.lock.json pins (fails when it is stale).")
 def build(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
-          extra_index_url, models) -> None:
+          extra_index_url, models, locked: bool) -> None:
     """Build the selected variants: runtime image, engine compiled in it, final image."""
     from .release import run_release
 
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
-                                                    extra_index_url, models), steps=("build",))
+                                                    extra_index_url, models, locked), steps=("build",))
+
+
+@cli.command()
+@matrix_option
+@select_option
+@state_option
+@hermetic_options
+def lock(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
+         extra_index_url, models) -> None:
+    """Pin bases by id, Python packages with hashes and Debian packages by version, per runtime (mopt.lock.json).
+
+    Builds what is not built yet, then reads the runtime images themselves."""
+    from .lock import make_lock
+    from .release import run_release
+
+    options = _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url, extra_index_url, models)
+    run_release(matrix_path, select, options, steps=("build",))
+    matrix, result = _plan(matrix_path, select)
+    path = _lock_path(matrix_path)
+    entries = make_lock(matrix, result.variants, options, path, log=click.echo)
+    click.echo(f"wrote {path}: {len(entries)} runtimes, {sum(len(e['python']) for e in entries.values())} Python "
+               f"and {sum(len(e['debian']) for e in entries.values())} Debian pins")
 
 
 @cli.command("test")
@@ -384,6 +417,32 @@ def install_cmd(bundle: Path, no_smoke: bool) -> None:
     results = install(bundle, smoke=not no_smoke, log=click.echo)
     for r in results:
         click.echo(f"{r['id']}: loaded, smoke test {r['smoke']}")
+
+
+@cli.command("verify-repro")
+@matrix_option
+@click.option("--select", required=True, metavar="GLOB", help="The variant to build twice (one id or glob).")
+@state_option
+@hermetic_options
+@click.option("--locked", is_flag=True, help="Build from mopt.lock.json (the reproducible way).")
+def verify_repro_cmd(matrix_path: str, select: str, state_dir: Path, ca_bundle, find_links, index_url,
+                     extra_index_url, models, locked: bool) -> None:
+    """Build a variant twice from scratch and compare normalised file manifests (path, mode, size, sha256)."""
+    from .errors import BuildError
+    from .plan import make_plan
+    from .repro import summary, verify_repro
+
+    matrix, result = _plan(matrix_path, (select,))
+    if len(result.variants) != 1:
+        raise ConfigError(f"--select {select!r} must name exactly one variant, it matches {len(result.variants)}")
+    options = _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url, extra_index_url, models,
+                             locked)
+    report = verify_repro(matrix, make_plan(matrix).variants, result.variants[0], options, log=click.echo)
+    click.echo(summary(report))
+    if not report["reproducible"]:
+        raise BuildError(f"{result.variants[0].id} is not reproducible: {len(report['differences'])} files differ "
+                         f"(report: {report['report_path']})")
+    click.echo(f"reproducible: the two builds' file manifests match (report: {report['report_path']})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -87,7 +87,13 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "normalize": recipe.normalize, "instruction": recipe.instruction, "description": recipe.description,
         "license": recipe.license, "source_url": recipe.source_url, "model_source": recipe.model.text,
         "serve_command": list(recipe.serve_command), "port": recipe.port,
+        "source_date_epoch": _source_date_epoch(matrix),
     }
+
+
+def _source_date_epoch(matrix: Matrix) -> int:
+    """One fixed timestamp for every build step: the newest rootfs base's SOURCE_DATE_EPOCH."""
+    return max((b.source_date_epoch for b in matrix.bases.values() if b.kind == "rootfs"), default=0)
 
 
 def _render_template(env: jinja2.Environment, name: str, context: dict) -> str:

@@ -1,0 +1,135 @@
+"""mopt lock: pin what a runtime image is made of, so the same image can be built months later.
+
+Per runtime (one entry per distinct Dockerfile.base + Dockerfile.runtime, the "lock key"):
+  base      the base image by id (and the rootfs sha256 for rootfs bases, the repo digest otherwise)
+  python    every installed distribution as `name==version --hash=sha256:...`, the hashes of the
+            exact wheels pip would fetch (the wheelhouse's for the local torch)
+  debian    every installed Debian package as name=version
+`mopt build --locked` installs with `pip install --require-hashes` from the lock and apt
+`name=version`, and fails clearly when a variant's lock key is not in the lock (stale lock).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from .dockerclient import DockerCli, run_docker
+from .errors import BuildError, ConfigError
+from .plan import Variant
+from .render import dump_json, sha256_text
+
+LOCK_FILE = "mopt.lock.json"
+Log = Callable[[str], None]
+
+# Runs inside a container of the runtime image: freeze, fetch the exact wheels, hash them.
+_PYTHON_SCRIPT = r"""
+set -eu
+if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi
+python -m pip freeze --all --disable-pip-version-check | grep -v '^-e ' > /tmp/frozen.txt
+python -m pip download -q --no-deps --only-binary=:all: --disable-pip-version-check \
+    --find-links /wheelhouse -d /tmp/w -r /tmp/frozen.txt >&2
+python - <<'PY'
+import hashlib, json, pathlib, re
+frozen = {}
+for line in open("/tmp/frozen.txt"):
+    name, _, version = line.strip().partition("==")
+    frozen[re.sub(r"[-_.]+", "-", name).lower()] = (name, version)
+out, seen = [], set()
+for wheel in sorted(pathlib.Path("/tmp/w").iterdir()):
+    dist = re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+    seen.add(dist)
+    name, version = frozen[dist]
+    out.append(f"{name}=={version} --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}")
+missing = sorted(set(frozen) - seen)
+print(json.dumps({"python": out, "missing": missing}))
+PY
+"""
+
+
+def lock_key(render_dir: Path) -> str:
+    """What decides a runtime's dependencies: the two rendered Dockerfiles (not mopt's own runtime code)."""
+    return sha256_text((render_dir / "Dockerfile.base").read_text(), (render_dir / "Dockerfile.runtime").read_text())
+
+
+def read_lock(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no lock file (run mopt lock first)") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    if data.get("schema") != 1 or not isinstance(data.get("runtimes"), dict):
+        raise ConfigError(f"{path}: not a mopt lock (schema 1)")
+    return data
+
+
+def lock_entry(lock: dict, lock_path: Path, variant: Variant, render_dir: Path) -> dict:
+    key = lock_key(render_dir)
+    entry = lock["runtimes"].get(key)
+    if entry is None:
+        raise ConfigError(f"{lock_path} is stale for {variant.id}: its base or runtime Dockerfile changed since "
+                          f"mopt lock (lock key {key[:12]} not in the lock); run mopt lock --select '{variant.id}'")
+    return entry
+
+
+def lock_runtime(docker: DockerCli, runtime_image: str, wheelhouse: list[Path], ca_bundle: Path | None) -> dict:
+    mounts = []
+    for wheel in wheelhouse:
+        mounts += ["-v", f"{wheel}:/wheelhouse/{wheel.name}:ro"]
+    if ca_bundle:
+        mounts += ["-v", f"{ca_bundle}:/run/secrets/ca:ro"]  # a run-time mount: never in an image layer
+    result = run_docker(["run", "--rm", "--user", "0", *mounts, "--entrypoint", "sh", runtime_image, "-c",
+                         _PYTHON_SCRIPT], docker=docker, check=False, timeout=1800)
+    if result.returncode != 0:
+        raise BuildError(f"locking the Python packages of {runtime_image[:19]} failed: "
+                         f"{(result.stderr or result.stdout).strip()[-600:]}")
+    python = json.loads(result.stdout.strip().splitlines()[-1])
+    if python["missing"]:
+        raise BuildError(f"no wheel found to hash for: {', '.join(python['missing'])}")
+    debian = run_docker(["run", "--rm", "--network", "none", "--entrypoint", "dpkg-query", runtime_image, "-W",
+                         "-f", "${Package}=${Version}\n"], docker=docker).stdout.split()
+    return {"python": python["python"], "debian": sorted(debian)}
+
+
+def write_lock(path: Path, entries: dict, previous: dict | None) -> None:
+    runtimes = dict((previous or {}).get("runtimes", {}))
+    runtimes.update(entries)
+    path.write_text(dump_json({"schema": 1, "runtimes": runtimes}))
+
+
+def requirements_text(entry: dict) -> str:
+    return "".join(line + "\n" for line in entry["python"])
+
+
+def make_lock(matrix, variants, options, path: Path, log: Log = print) -> dict:
+    """Lock every selected (built) variant's runtime and merge the entries into the lock file."""
+    from .base import load_base
+    from .build import load_record
+    from .dockerclient import find_docker
+
+    docker = find_docker()
+    wheels = [p for d in options.find_links for p in sorted(d.iterdir()) if p.suffix == ".whl"]
+    entries: dict = {}
+    for variant in variants:
+        record = load_record(options.state_dir, variant)
+        if record is None:
+            raise BuildError(f"{variant.id} is not built; nothing to lock")
+        key = lock_key(options.state_dir / "render" / variant.image / variant.tag)
+        if key in entries:
+            entries[key]["variants"].append(variant.id)
+            continue
+        spec = matrix.bases[variant.resolved["base"]["name"]]
+        base: dict = {"name": spec.name, "kind": spec.kind, "ref": variant.resolved["base"]["ref"]}
+        if spec.kind == "rootfs":
+            state = load_base(options.state_dir / "bases", spec.image)
+            base["rootfs_sha256"] = state.rootfs_sha256 if state else ""
+        else:
+            info = json.loads(run_docker(["image", "inspect", base["ref"]], docker=docker).stdout)[0]
+            base["image_id"], base["repo_digests"] = info["Id"], info.get("RepoDigests", [])
+        runtime = next(s for s in record["stages"] if s["name"] == "runtime")
+        log(f"locking {variant.id} (runtime {runtime['image_id'][:19]})")
+        entries[key] = {"variants": [variant.id], "base": base,
+                        **lock_runtime(docker, runtime["image_id"], wheels, options.ca_bundle)}
+    write_lock(path, entries, read_lock(path) if path.is_file() else None)
+    return entries
