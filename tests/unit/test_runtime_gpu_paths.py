@@ -61,6 +61,14 @@ def test_compile_cache_engine_matches_reference_and_ships_its_caches(cache_engin
     assert min(cosine(a, b) for a, b in zip(one, many, strict=True)) > 0.9999
     ref = json.loads((out / "reference.json").read_text())["embeddings"]
     assert min(cosine(a, b) for a, b in zip(many, ref, strict=True)) > 0.999
+    # torch with precompile (aot_compile, not in 2.11): the traced graph ships and loads without tracing.
+    import torch
+
+    mod = get_backend("torch-compile-cache")
+    if hasattr(torch.compile(lambda x: x), "aot_compile"):
+        assert "precompiled.bin" in files and mod.LAST_LOAD_PATH == "precompiled"
+    else:
+        assert "error" in manifest["precompile"] and mod.LAST_LOAD_PATH == "cache"
 
 
 def test_guard_covers_every_cache_file(cache_engine):
