@@ -1,16 +1,21 @@
-"""Publish smoke-tested images to a registry: long (immutable) tag first, verified, then the short tag.
+"""Publish smoke-tested images to a registry: every immutable long tag first, verified, then the short tags.
 
-For each :class:`PublishItem`:
+A release (a list of :class:`PublishItem`) is published in phases:
 
-1. ask the registry (HTTP API v2) what the long tag points at now;
-   - absent: tag the local image and ``docker push`` the long ref;
-   - the same image (the local image's RepoDigest for that repository, or a manifest whose config
-     digest is the local image id, i.e. the very same image content): skip the push (``skipped``);
-   - anything else: refuse with :class:`PublishError` (long tags are immutable);
-2. verify: GET the long tag's manifest, check its digest (header and body hash) is the pushed one,
-   and HEAD every blob (and child manifest) it references;
-3. only then push the short (moving) tag, unless it already points at that digest, and verify it;
-4. remove the registry-prefixed local tags this run created (the image itself is kept).
+0. for every item, ask the registry (HTTP API v2) what the long tag points at now; if any long tag
+   already points at another image, refuse with :class:`PublishError` before pushing anything (long
+   tags are immutable). The same image is recognised by the local image's RepoDigest for that
+   repository, or a manifest whose config digest is the local image id (the very same content);
+1. for every item: tag the local image and ``docker push`` the long ref (or skip the push when the
+   registry already has this image there: ``skipped``), then verify it: GET the long tag's manifest,
+   check its digest (header and body hash) is the pushed one, and HEAD every blob (and child
+   manifest) it references;
+2. only once EVERY long tag of the release is verified, move each short (moving) tag, unless it
+   already points at that digest, and verify it the same way;
+3. remove the registry-prefixed local tags this run created (the image itself is kept).
+
+A failure in phases 0-1 leaves every short tag where it was, so users pulling a short tag never see
+half a release; a re-run skips the long tags already verified (idempotent).
 
 Credentials come only from docker's config.json (``docker_config``, else $DOCKER_CONFIG, else
 ~/.docker), including ``credsStore``/``credHelpers``; the same directory is handed to the docker
@@ -598,7 +603,8 @@ def classify_push_output(output: str) -> str:
 
 def _error_lines(output: str, n: int = 6) -> str:
     lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
-    noisy = re.compile(r"^\S+: (preparing|waiting|pushed|pushing|layer already exists|mounted from)", re.I)
+    noisy = re.compile(r"^\S+: (preparing|waiting|pushed|pushing|layer already exists|mounted from|retrying in)",
+                       re.I)
     useful = [ln for ln in lines if not noisy.match(ln)]
     return " | ".join((useful or lines)[-n:]) or "(no output)"
 
@@ -612,25 +618,44 @@ def _worth_logging(line: str) -> bool:
 
 
 def docker_push(docker: DockerCli, ref: str, config_dir: Path, *, log: Log,
-                redact: Iterable[str] = ()) -> str:
+                redact: Iterable[str] = (), auth_retries: int = 0) -> str:
     """``docker push ref`` with DOCKER_CONFIG=config_dir; return the pushed manifest digest.
 
     Raises PublishError on any error output or a missing digest line; retries transient failures
-    at most PUSH_EXTRA_ATTEMPTS extra times, auth failures never.
+    at most PUSH_EXTRA_ATTEMPTS extra times. Auth failures are retried only ``auth_retries`` times
+    (publish passes 1: the registry API has just accepted the same credentials, so docker's
+    "unauthorized" then comes from a failed /v2/ ping behind a flaky proxy, not from the password).
     """
     tag = ref.rsplit(":", 1)[1]
     secrets = [s for s in redact if s]
     attempts = 1 + PUSH_EXTRA_ATTEMPTS
     for attempt in range(1, attempts + 1):
-        res = run_docker(["push", ref], docker=docker, check=False, env={"DOCKER_CONFIG": str(config_dir)},
-                         timeout=PUSH_TIMEOUT_S, redact=secrets, error_cls=PublishError,
-                         log=lambda line: log(f"    {line}") if _worth_logging(line) else None)
+        recent: list[str] = []
+
+        def keep(line: str, recent: list[str] = recent) -> None:
+            recent.append(line)
+            del recent[:-8]
+            if _worth_logging(line):
+                log(f"    {line}")
+
+        try:
+            res = run_docker(["push", ref], docker=docker, check=False, env={"DOCKER_CONFIG": str(config_dir)},
+                             timeout=PUSH_TIMEOUT_S, redact=secrets, error_cls=PublishError, log=keep)
+        except PublishError as exc:  # timed out: say what docker was doing (e.g. "Retrying in 5 seconds")
+            raise PublishError(f"{exc.message}; docker's last output: {_error_lines(chr(10).join(recent))}") \
+                from None
         output = (res.stdout or "") + (res.stderr or "")
         kind = classify_push_output(output)
         digests = [m.group("digest") for m in _PUSH_DIGEST_RE.finditer(output) if m.group("tag") == tag]
         if res.returncode == 0 and kind == "ok" and len(set(digests)) == 1:
             return digests[0]
         detail = _error_lines(output)
+        if kind == "auth" and auth_retries > 0 and attempt < attempts:
+            auth_retries -= 1
+            log(f"  docker push {ref} was refused (attempt {attempt}/{attempts}) although the registry API "
+                f"accepted these credentials; retrying once: {detail}")
+            time.sleep(PUSH_RETRY_WAIT_S)
+            continue
         if kind == "auth":
             raise PublishError(f"docker push {ref} was refused by the registry (authentication/"
                                f"authorization): {detail}; check `docker login {ref.split('/', 1)[0]}` "
@@ -691,50 +716,51 @@ def _same_image(api: RegistryApi, repo: str, remote: Manifest, local: _LocalImag
 
 def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: str | None = None,
             dry_run: bool = False, log: Log = print, docker: DockerCli | None = None) -> list[PublishResult]:
-    """Push each item's long tag, verify it in the registry, then its short tag (see the module doc).
+    """Publish a release in two phases (see the module doc): every long (immutable) tag is checked,
+    pushed and verified first; the short (moving) tags move only once ALL of them are verified.
 
-    Stops at the first failure with PublishError (exit 6); the results published before it are on
-    the exception's ``published`` attribute. ``dry_run`` changes nothing, logs what would move, and
-    raises PublishError at the end if the real run would be refused.
+    Raises PublishError (exit 6) at the first failure. Its ``failed`` attribute names the variant
+    that failed; ``published`` lists the results whose short tag moved (empty when phase 1 failed:
+    then no short tag of the release moved, and ``long_verified`` lists the long tags that are in
+    the registry and verified, which a re-run skips). ``dry_run`` changes nothing, logs what would
+    move (long tags first, then short tags), and raises PublishError at the end if the real run would
+    be refused.
     """
     items = list(items)
+    seen: dict[tuple[str, str], str] = {}
+    for item in items:
+        for tag in (item.long_tag, item.short_tag):
+            key = (registry.repository_path(item.repository), tag)
+            if key in seen and seen[key] != item.variant_id:
+                raise PublishError(f"{item.variant_id} and {seen[key]} would both publish {key[0]}:{tag}")
+            seen[key] = item.variant_id
     config_dir = docker_config_dir(docker_config)
     creds = load_credentials(registry, config_dir)
     api = RegistryApi(registry, creds, config_dir=config_dir)
     secrets = creds.secrets if creds else []
     cli = docker or find_docker()
-    results: list[PublishResult] = []
-    problems: list[str] = []
     try:
-        for item in items:
-            try:
-                if dry_run:
-                    res, problem = _plan_item(item, registry, api, cli, log)
-                    if problem:
-                        problems.append(problem)
-                else:
-                    res = _publish_item(item, registry, api, cli, config_dir, secrets, log)
-                results.append(res)
-            except PublishError as exc:
-                if dry_run:
-                    problems.append(f"{item.variant_id}: {exc}")
-                    log(f"  {item.variant_id}: cannot check: {exc}")
-                    continue
-                if results:
-                    exc.message = (f"{item.variant_id}: {exc.message}\n(already published: "
-                                   f"{', '.join(r.variant_id for r in results)})")
-                else:
-                    exc.message = f"{item.variant_id}: {exc.message}"
-                exc.args = (exc.message,)
-                exc.published = list(results)  # type: ignore[attr-defined]
-                raise
+        if dry_run:
+            return _plan_release(items, registry, api, cli, log)
+        return _publish_release(items, registry, api, cli, config_dir, secrets, log)
     finally:
         api.close()
-    if dry_run and problems:
-        err = PublishError("dry run: the publish would fail:\n  " + "\n  ".join(problems))
-        err.published = []  # type: ignore[attr-defined]
-        raise err
-    return results
+
+
+def _fail(exc: PublishError, item: PublishItem, published: list[PublishResult], long_verified: list[str],
+          phase: str) -> PublishError:
+    note = ""
+    if phase == "long":
+        note = "\n(no short tag was moved"
+        note += f"; verified long tags a re-run will skip: {', '.join(long_verified)})" if long_verified else ")"
+    elif published:
+        note = f"\n(short tags already moved: {', '.join(r.variant_id for r in published)})"
+    exc.message = f"{item.variant_id}: {exc.message}{note}"
+    exc.args = (exc.message,)
+    exc.failed = item.variant_id  # type: ignore[attr-defined]
+    exc.published = list(published)  # type: ignore[attr-defined]
+    exc.long_verified = list(long_verified)  # type: ignore[attr-defined]
+    return exc
 
 
 def _refs(item: PublishItem, registry: Registry) -> tuple[str, str, str, str]:
@@ -753,77 +779,134 @@ def _local(cli: DockerCli, item: PublishItem) -> _LocalImage:
     return local
 
 
-def _plan_item(item: PublishItem, registry: Registry, api: RegistryApi, cli: DockerCli,
-               log: Log) -> tuple[PublishResult, str | None]:
-    repo, name, long_ref, short_ref = _refs(item, registry)
-    local = _local(cli, item)
-    remote_long = api.manifest(repo, item.long_tag)
-    remote_short = api.manifest(repo, item.short_tag)
-    moving: list[str] = []
-    problem = None
-    skipped = False
-    digest = ""
-    if remote_long is None:
-        log(f"[dry-run] {long_ref} -> {local.id} (registry: no such tag) : would push")
-        moving.append(long_ref)
-    elif _same_image(api, repo, remote_long, local, name):
-        skipped, digest = True, remote_long.digest
-        log(f"[dry-run] {long_ref} -> {local.id} (registry: {remote_long.digest}, same image) : would skip")
-    else:
-        problem = (f"{item.variant_id}: {long_ref} already points at {remote_long.digest}, a different image "
-                   f"than {local.id}; long tags are immutable")
-        log(f"[dry-run] {long_ref} -> {local.id} (registry: {remote_long.digest}, DIFFERENT image) : "
-            "would REFUSE")
-    short_now = remote_short.digest if remote_short else "no such tag"
-    if problem:
-        log(f"[dry-run] {short_ref} -> {local.id} (registry: {short_now}) : would not move")
-    elif skipped and remote_short is not None and remote_short.digest == digest:
-        log(f"[dry-run] {short_ref} -> {local.id} (registry: {short_now}) : already there")
-    else:
-        log(f"[dry-run] {short_ref} -> {local.id} (registry: {short_now}) : would push")
-        moving.append(short_ref)
-    return PublishResult(item.variant_id, tuple(moving), digest, skipped), problem
+def _immutable_refusal(long_ref: str, remote: Manifest, local: _LocalImage) -> PublishError:
+    return PublishError(
+        f"{long_ref} already points at {remote.digest} in the registry, which is not local image {local.id}; "
+        "long tags are immutable and will not be moved (bump the version, or delete the tag from the registry "
+        "deliberately)")
 
 
-def _publish_item(item: PublishItem, registry: Registry, api: RegistryApi, cli: DockerCli, config_dir: Path,
-                  secrets: list[str], log: Log) -> PublishResult:
-    repo, name, long_ref, short_ref = _refs(item, registry)
-    local = _local(cli, item)
-    log(f"publish {item.variant_id}: {local.id} -> {long_ref}, then {short_ref}")
-    pushed: list[str] = []
-    with _local_tags(cli, log) as tags:
-        remote_long = api.manifest(repo, item.long_tag)
+def _plan_release(items: list[PublishItem], registry: Registry, api: RegistryApi, cli: DockerCli,
+                  log: Log) -> list[PublishResult]:
+    problems: list[str] = []
+    planned: list[tuple[PublishItem, _LocalImage | None, str, bool, list[str], bool]] = []
+    log("[dry-run] phase 1: immutable long tags (pushed and verified first)")
+    for item in items:
+        repo, name, long_ref, _ = _refs(item, registry)
+        try:
+            local = _local(cli, item)
+            remote_long = api.manifest(repo, item.long_tag)
+        except PublishError as exc:
+            problems.append(f"{item.variant_id}: {exc}")
+            log(f"  {item.variant_id}: cannot check: {exc}")
+            planned.append((item, None, "", False, [], True))
+            continue
+        moving: list[str] = []
         if remote_long is None:
-            tags.tag(local.id, long_ref)
-            digest = docker_push(cli, long_ref, config_dir, log=log, redact=secrets)
-            pushed.append(long_ref)
-            skipped = False
+            log(f"[dry-run] {long_ref} -> {local.id} (registry: no such tag) : would push")
+            planned.append((item, local, "", False, [long_ref], False))
         elif _same_image(api, repo, remote_long, local, name):
-            digest, skipped = remote_long.digest, True
-            log(f"  {long_ref} already points at {digest} (this image): not pushed again")
+            log(f"[dry-run] {long_ref} -> {local.id} (registry: {remote_long.digest}, same image) : would skip")
+            planned.append((item, local, remote_long.digest, True, moving, False))
         else:
-            raise PublishError(
-                f"{long_ref} already points at {remote_long.digest} in the registry, which is not local "
-                f"image {local.id}; long tags are immutable and will not be moved (bump the version, or "
-                "delete the tag from the registry deliberately)")
-        api.verify(repo, item.long_tag, digest)
-        log(f"  verified {long_ref} = {digest} (manifest and all blobs present)")
+            problems.append(f"{item.variant_id}: {long_ref} already points at {remote_long.digest}, a different "
+                            f"image than {local.id}; long tags are immutable")
+            log(f"[dry-run] {long_ref} -> {local.id} (registry: {remote_long.digest}, DIFFERENT image) : "
+                "would REFUSE")
+            planned.append((item, local, remote_long.digest, False, moving, True))
+    log("[dry-run] phase 2: moving short tags (only after every long tag above is verified)")
+    results: list[PublishResult] = []
+    for item, local, digest, skipped, moving, bad in planned:
+        repo, _, _, short_ref = _refs(item, registry)
+        try:
+            remote_short = api.manifest(repo, item.short_tag)
+        except PublishError as exc:
+            problems.append(f"{item.variant_id}: {exc}")
+            log(f"  {item.variant_id}: cannot check: {exc}")
+            results.append(PublishResult(item.variant_id, tuple(moving), digest, skipped))
+            continue
+        short_now = remote_short.digest if remote_short else "no such tag"
+        target = local.id if local else item.image_id
+        if bad or problems:
+            log(f"[dry-run] {short_ref} -> {target} (registry: {short_now}) : would not move")
+        elif skipped and remote_short is not None and remote_short.digest == digest:
+            log(f"[dry-run] {short_ref} -> {target} (registry: {short_now}) : already there")
+        else:
+            log(f"[dry-run] {short_ref} -> {target} (registry: {short_now}) : would push")
+            moving = [*moving, short_ref]
+        results.append(PublishResult(item.variant_id, tuple(moving), digest, skipped))
+    if problems:
+        err = PublishError("dry run: the publish would fail:\n  " + "\n  ".join(problems))
+        err.published = []  # type: ignore[attr-defined]
+        raise err
+    return results
 
-        remote_short = api.manifest(repo, item.short_tag)
-        if remote_short is not None and remote_short.digest == digest:
-            log(f"  {short_ref} already points at {digest}")
-        else:
-            was = remote_short.digest if remote_short else "absent"
-            tags.tag(local.id, short_ref)
-            short_digest = docker_push(cli, short_ref, config_dir, log=log, redact=secrets)
-            pushed.append(short_ref)
-            if short_digest != digest:
-                raise PublishError(f"{short_ref} was pushed as {short_digest}, but the verified long tag is "
-                                   f"{digest}")
-            log(f"  moved {short_ref}: {was} -> {digest}")
-        api.verify(repo, item.short_tag, digest)
-        log(f"  verified {short_ref} = {digest}")
-    return PublishResult(item.variant_id, tuple(pushed), digest, skipped)
+
+def _publish_release(items: list[PublishItem], registry: Registry, api: RegistryApi, cli: DockerCli,
+                     config_dir: Path, secrets: list[str], log: Log) -> list[PublishResult]:
+    # Phase 0: every long tag is free or already this image; refuse before pushing anything.
+    state: list[tuple[PublishItem, _LocalImage, Manifest | None]] = []
+    for item in items:
+        repo, name, long_ref, _ = _refs(item, registry)
+        try:
+            local = _local(cli, item)
+            remote_long = api.manifest(repo, item.long_tag)
+            if remote_long is not None and not _same_image(api, repo, remote_long, local, name):
+                raise _immutable_refusal(long_ref, remote_long, local)
+        except PublishError as exc:
+            raise _fail(exc, item, [], [], "long") from None
+        state.append((item, local, remote_long))
+    verified: list[tuple[PublishItem, _LocalImage, str, bool, list[str]]] = []
+    with _local_tags(cli, log) as tags:
+        # Phase 1: push and verify every long (immutable) tag.
+        for item, local, remote_long in state:
+            repo, name, long_ref, short_ref = _refs(item, registry)
+            log(f"publish {item.variant_id}: {local.id} -> {long_ref}")
+            pushed: list[str] = []
+            try:
+                remote_long = api.manifest(repo, item.long_tag)  # again: another publisher may have raced us
+                if remote_long is None:
+                    tags.tag(local.id, long_ref)
+                    digest = docker_push(cli, long_ref, config_dir, log=log, redact=secrets,
+                                           auth_retries=1)
+                    pushed.append(long_ref)
+                    skipped = False
+                elif _same_image(api, repo, remote_long, local, name):
+                    digest, skipped = remote_long.digest, True
+                    log(f"  {long_ref} already points at {digest} (this image): not pushed again")
+                else:
+                    raise _immutable_refusal(long_ref, remote_long, local)
+                api.verify(repo, item.long_tag, digest)
+            except PublishError as exc:
+                done = [registry.reference(v[0].repository, v[0].long_tag) for v in verified]
+                raise _fail(exc, item, [], done, "long") from None
+            log(f"  verified {long_ref} = {digest} (manifest and all blobs present)")
+            verified.append((item, local, digest, skipped, pushed))
+        log(f"all {len(verified)} long tags verified; moving the short tags")
+        # Phase 2: only now move the short (moving) tags.
+        results: list[PublishResult] = []
+        for item, local, digest, skipped, pushed in verified:
+            repo, _, _, short_ref = _refs(item, registry)
+            try:
+                remote_short = api.manifest(repo, item.short_tag)
+                if remote_short is not None and remote_short.digest == digest:
+                    log(f"  {short_ref} already points at {digest}")
+                else:
+                    was = remote_short.digest if remote_short else "absent"
+                    tags.tag(local.id, short_ref)
+                    short_digest = docker_push(cli, short_ref, config_dir, log=log, redact=secrets,
+                                               auth_retries=1)
+                    pushed.append(short_ref)
+                    if short_digest != digest:
+                        raise PublishError(f"{short_ref} was pushed as {short_digest}, but the verified long tag "
+                                           f"is {digest}")
+                    log(f"  moved {short_ref}: {was} -> {digest}")
+                api.verify(repo, item.short_tag, digest)
+            except PublishError as exc:
+                raise _fail(exc, item, results, [], "short") from None
+            log(f"  verified {short_ref} = {digest}")
+            results.append(PublishResult(item.variant_id, tuple(pushed), digest, skipped))
+    return results
 
 
 __all__ = ["PublishItem", "PublishResult", "Registry", "RegistryApi", "Credentials", "publish",

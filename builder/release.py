@@ -61,21 +61,55 @@ def _smoke(state: Path, matrix, variant: Variant, record: dict, row: VariantRepo
     _say(f"{variant.id}: smoke test passed (cosine {result.min_cosine:.5f}, healthy after {result.start_seconds}s)")
 
 
-def _publish(state: Path, variant: Variant, record: dict, registry: str, dry_run: bool, row: VariantReport) -> None:
-    from .publish import PublishItem, Registry, publish
+def smoke_passed(state: Path, variant: Variant, record: dict) -> bool:
+    """Whether this exact image passed its last smoke test (publish and export rely on it)."""
+    path = _smoke_path(state, variant)
+    tested = json.loads(path.read_text()) if path.is_file() else {}
+    return bool(tested.get("passed")) and tested.get("image_id") == record["image_id"]
 
-    smoke = _smoke_path(state, variant)
-    tested = json.loads(smoke.read_text()) if smoke.is_file() else {}
-    if not (tested.get("passed") and tested.get("image_id") == record["image_id"]):
+
+def _publish_item(state: Path, variant: Variant, record: dict):
+    """The PublishItem for a variant whose smoke test passed for exactly this image."""
+    from .publish import PublishItem
+
+    if not smoke_passed(state, variant, record):
         raise PublishError(f"{variant.id}: image {record['image_id'][:19]} has not passed its smoke test; "
                            "not publishing")
-    item = PublishItem(variant_id=variant.id, image_id=record["image_id"], repository=variant.repository,
+    return PublishItem(variant_id=variant.id, image_id=record["image_id"], repository=variant.repository,
                        long_tag=variant.long_tag, short_tag=variant.tag)
-    results = publish([item], Registry.parse(registry), dry_run=dry_run, log=_say)
-    if not dry_run:
-        row.published = True
-        row.digest = results[0].digest
-        row.references = list(results[0].references)
+
+
+def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | None:
+    """Publish every variant that reached the publish step as ONE release: all long tags pushed and
+    verified before any short tag moves. Returns the error (rows already marked), or None."""
+    from .publish import Registry, publish
+
+    if not pending:
+        return None
+    started = time.monotonic()
+    _say(f"publish {len(pending)} variants: long tags first, short tags once all are verified")
+    try:
+        results = publish([item for item, _ in pending], Registry.parse(registry), dry_run=dry_run, log=_say)
+    except PublishError as exc:
+        failed = getattr(exc, "failed", None)
+        moved = {r.variant_id: r for r in getattr(exc, "published", [])}
+        for item, row in pending:
+            if item.variant_id in moved:
+                row.published, row.digest = True, moved[item.variant_id].digest
+                row.references = list(moved[item.variant_id].references)
+            elif failed is None or item.variant_id == failed:
+                row.failed_step, row.reason = "publish", exc.message
+            else:
+                row.failed_step = "publish"
+                row.reason = f"not published: the release's publish stopped at {failed}"
+        _say(f"publish FAILED: {exc.message}")
+        return exc
+    seconds = round(time.monotonic() - started, 1)
+    for (_, row), result in zip(pending, results, strict=True):
+        row.durations["publish"] = seconds
+        if not dry_run:
+            row.published, row.digest, row.references = True, result.digest, list(result.references)
+    return None
 
 
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
@@ -88,6 +122,7 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
     state = options.state_dir
     builder = None
     first_error: MoptError | None = None
+    pending: list = []  # (PublishItem, row): published together once every variant is through
     _say(f"{len(plan.variants)} variants to {' -> '.join(steps)}")
     for variant in plan.variants:
         row = VariantReport(id=variant.id, image=variant.image, flavour=variant.flavour, tag=variant.tag,
@@ -114,7 +149,8 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
                 if step == "test":
                     _smoke(state, matrix, variant, record, row)
                 elif step == "publish":
-                    _publish(state, variant, record, registry or "", dry_run, row)
+                    pending.append((_publish_item(state, variant, record), row))
+                    continue
                 row.durations[step] = round(time.monotonic() - started, 1)
         except MoptError as exc:
             row.failed_step, row.reason = step, exc.message
@@ -122,6 +158,9 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
             _say(f"{variant.id}: FAILED at {step}: {exc.message}")
             if fail_fast:
                 break
+    if pending and not (fail_fast and first_error is not None):
+        publish_error = _publish_all(pending, registry or "", dry_run)
+        first_error = first_error or publish_error
     report.finished = time.time()
     json_path, md_path = report.write(state / "reports")
     console.print(report.markdown(), markup=False)

@@ -108,7 +108,11 @@ class EmbeddingService:
             seqs = inputs
         else:
             texts = [enc.format_query(t) for t in inputs] if input_type == "query" else inputs
-            seqs = enc.encode(texts)
+            try:
+                seqs = enc.encode(texts)
+            except (UnicodeError, ValueError, TypeError) as exc:  # e.g. a lone surrogate in the text
+                raise ApiError(400, f"'input' cannot be tokenized: {type(exc).__name__}", param="input",
+                               code="invalid_input") from None
         for i, s in enumerate(seqs):
             if len(s) > self.max_tokens:
                 raise ApiError(400, f"input {i} has {len(s)} tokens, more than the maximum {self.max_tokens}",
@@ -135,6 +139,7 @@ def _encode(vec: list[float], fmt: str):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = 60  # seconds a client may take to send a request (StreamRequestHandler sets it on the socket)
     service: EmbeddingService  # set on a subclass by make_server
 
     def log_message(self, fmt, *args):  # route access logs through logging, not stderr
@@ -164,6 +169,7 @@ class Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         path = self.path.split("?", 1)[0]
         status, tokens, inputs, close = 200, 0, 0, False
+        payload = None
         try:
             if path not in ("/v1/embeddings", "/embeddings"):
                 raise ApiError(404, f"no route POST {path}", code="not_found")
@@ -172,7 +178,7 @@ class Handler(BaseHTTPRequestHandler):
             inputs = len(body["data"])
         except ApiError as err:
             status, body = err.status, err.body()
-            close = err.status == 413  # the unread body is still on the socket
+            close = payload is None  # the body may be unread or cut short: drop the connection
         except Exception as exc:  # never drop the connection without an answer
             log.exception("embedding request failed")
             status, body = 500, ApiError(500, f"internal error: {type(exc).__name__}", code="internal").body()
@@ -185,13 +191,23 @@ class Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
             raise ApiError(411, "Content-Length header required", code="length_required") from None
+        if length < 0:
+            raise ApiError(400, "Content-Length must not be negative", code="invalid_content_length")
         if length > self.service.limits.max_body_bytes:
             raise ApiError(413, f"body of {length} bytes exceeds {self.service.limits.max_body_bytes}",
                            code="body_too_large")
         try:
-            return json.loads(self.rfile.read(length))
+            raw = self.rfile.read(length)
+        except TimeoutError:  # a client that announced more than it sent must not hold a thread forever
+            raise ApiError(408, f"body not received within {self.timeout}s", code="request_timeout") from None
+        if len(raw) < length:
+            raise ApiError(400, f"body has {len(raw)} bytes, Content-Length said {length}", code="invalid_body")
+        try:
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "body is nested too deeply", code="invalid_json") from None
 
 
 def make_server(service: EmbeddingService, host: str, port: int) -> ThreadingHTTPServer:

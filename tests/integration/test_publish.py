@@ -277,6 +277,38 @@ def test_long_tag_pointing_elsewhere_is_refused_and_short_tag_not_moved(docker, 
     assert not [r for r in _local_refs(docker, id_b) if r.startswith(registry.address)]
 
 
+def test_short_tags_move_only_after_every_long_tag_is_verified(docker, images, registry, docker_config):
+    id_a, id_b = images
+    reg = Registry.parse(registry.address)
+    a, b = _item(id_a), _item(id_b, name="b", long_tag="2.0.0-cpu-def456", short_tag="2.0-cpu")
+    log = Lines()
+    results = publish([a, b], reg, docker_config=str(docker_config), log=log)
+    text = log.text()
+    long_b, short_a = f"{registry.address}/mopt/tiny:2.0.0-cpu-def456", f"{registry.address}/mopt/tiny:1.0-cpu"
+    assert text.index(f"verified {long_b}") < text.index("all 2 long tags verified") < text.index(
+        f"moved {short_a}")
+    assert [r.references[1] for r in results] == [short_a, f"{registry.address}/mopt/tiny:2.0-cpu"]
+
+    # A release whose second long tag is taken by another image: refused before anything is pushed,
+    # so neither its first long tag nor any short tag moves.
+    c = _item(id_b, name="c", long_tag="3.0.0-cpu", short_tag="3.0-cpu")
+    clash = _item(id_b, name="d", long_tag="1.0.0-cpu-abc123", short_tag="3.0-cpu-d")
+    with pytest.raises(PublishError) as exc:
+        publish([c, clash], reg, docker_config=str(docker_config), log=Lines())
+    assert "immutable" in str(exc.value) and exc.value.failed == "tiny-d:cpu" and exc.value.published == []
+    api = Api(registry)
+    assert api.digest("mopt/tiny", "3.0.0-cpu") is None and api.digest("mopt/tiny", "3.0-cpu") is None
+    assert api.digest("mopt/tiny", "1.0.0-cpu-abc123") == results[0].digest
+
+    # The dry run lists every long tag before any short tag.
+    log = Lines()
+    publish([_item(id_a, name="e", long_tag="4.0.0-cpu", short_tag="4.0-cpu"),
+             _item(id_b, name="f", long_tag="5.0.0-cpu", short_tag="5.0-cpu")], reg,
+            docker_config=str(docker_config), dry_run=True, log=log)
+    text = log.text()
+    assert text.index("5.0.0-cpu ->") < text.index("phase 2") < text.index("4.0-cpu ->")
+
+
 def test_dry_run_pushes_nothing(docker, images, registry, docker_config):
     id_a, id_b = images
     reg = Registry.parse(registry.address)
