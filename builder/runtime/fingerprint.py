@@ -13,7 +13,7 @@ ENGINE_JSON = "engine.json"
 ENGINE_SUBDIR = "engine"
 REQUIRED = ("schema_version", "backend", "backend_version", "torch", "cuda", "tensorrt", "device",
             "target_sm", "gpu_name", "driver", "engine_files", "engine_sha256", "model_digest",
-            "params", "image", "compile_seconds")
+            "params", "image")
 
 
 def sha256_file(path: str | Path) -> str:

@@ -87,7 +87,7 @@ def test_compile_writes_fingerprint(engine):
     assert data["backend"] == "torch-aot" and data["backend_version"] == torch.__version__
     assert data["torch"] == torch.__version__ and data["cuda"] == torch.version.cuda
     assert data["device"] == "cpu" and data["target_sm"] is None and data["gpu_name"] is None
-    assert data["tensorrt"] is None and data["image"] == IMAGE and data["compile_seconds"] > 0
+    assert data["tensorrt"] is None and data["image"] == IMAGE and "compile_seconds" not in data
     assert data["params"]["max_batch"] == 8 and data["params"]["max_seq_len"] == 64
     assert data["params"]["pooling"] == "mean" and data["params"]["precision"] == "fp32"
     assert data["embedding_dim"] == 384

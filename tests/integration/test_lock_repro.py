@@ -1,0 +1,85 @@
+"""mopt lock, build --locked (hash-checked installs, stale-lock error) and verify-repro on the cpu
+demo variant, against the real daemon. Works in a copy of the repo's matrix so the repo's own lock
+file is untouched; builds share .mopt/test-state."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder.dockerclient import find_docker
+from builder.errors import MoptError
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+STATE = REPO / ".mopt" / "test-state"
+VARIANT = "minilm-embed:cpu"
+
+
+def mopt(*args, cwd: Path, timeout=2400):
+    env = dict(os.environ, MOPT_STATE_DIR=str(STATE), TESTCONTAINERS_RYUK_DISABLED="true")
+    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    try:
+        find_docker()
+    except MoptError as exc:
+        pytest.skip(f"needs the Docker daemon (bash scripts/setup.sh starts it): {exc}")
+    work = tmp_path_factory.mktemp("lock")
+    for name in ("matrix.yaml", "images", "templates"):
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
+    result = mopt("lock", "--select", VARIANT, cwd=work)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return work
+
+
+def test_lock_pins_hashes_versions_and_base(work):
+    lock = json.loads((work / "mopt.lock.json").read_text())
+    (entry,) = lock["runtimes"].values()
+    assert VARIANT in entry["variants"]
+    torch = next(line for line in entry["python"] if line.startswith("torch=="))
+    assert torch.startswith("torch==2.13.0+cpu --hash=sha256:") and len(torch.split("sha256:")[1]) == 64
+    assert all(" --hash=sha256:" in line for line in entry["python"])
+    assert any(line.startswith("python3.11=") for line in entry["debian"])
+    assert entry["base"]["kind"] == "rootfs" and len(entry["base"]["rootfs_sha256"]) == 64
+
+
+def test_locked_build_installs_exactly_the_lock(work):
+    result = mopt("build", "--locked", "--select", VARIANT, cwd=work)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "locked: " in result.stderr
+    record = json.loads((STATE / "variants" / "minilm-embed" / "cpu.json").read_text())
+    runtime = next(s for s in record["stages"] if s["name"] == "runtime")["image_id"]
+    docker = find_docker()
+    frozen = subprocess.run([docker.path, "run", "--rm", "--entrypoint", "python", runtime, "-m", "pip", "freeze",
+                             "--all"], capture_output=True, text=True, check=True).stdout.split()
+    (entry,) = json.loads((work / "mopt.lock.json").read_text())["runtimes"].values()
+    assert sorted(frozen) == sorted(line.split(" ")[0] for line in entry["python"])
+
+
+def test_stale_lock_fails_clearly(work):
+    template = work / "templates" / "runtime-torch-aot.Dockerfile.j2"
+    original = template.read_text()
+    template.write_text(original + "ENV MOPT_CHANGED=1\n")
+    try:
+        result = mopt("build", "--locked", "--select", VARIANT, cwd=work)
+    finally:
+        template.write_text(original)
+    assert result.returncode == 2, result.stderr[-1500:]
+    assert "is stale for minilm-embed:cpu" in result.stderr and "run mopt lock" in result.stderr
+    assert "docker build ->" not in result.stderr  # refused before building anything
+
+
+def test_verify_repro_of_the_cpu_variant(work):
+    result = mopt("verify-repro", "--locked", "--select", VARIANT, cwd=work, timeout=3000)
+    report = json.loads((STATE / "reports" / "repro-minilm-embed-cpu.json").read_text())
+    assert report["files"] > 10000
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1500:]
+    assert report["reproducible"] and report["differences"] == []
