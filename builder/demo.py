@@ -32,7 +32,14 @@ def _registry(root: Path, port: int) -> LocalRegistry:
         registry.port = creds["port"]
         _say(f"registry: reusing 127.0.0.1:{registry.port}")
     else:
-        registry.start()
+        try:
+            registry.start()
+        except EnvironmentProblem as exc:
+            if "address already in use" not in str(exc):
+                raise
+            _say(f"registry: port {registry.port} is taken; using a free port")
+            registry = LocalRegistry(root, port=0, user="mopt", password=password)
+            registry.start()
         registry.detach()
         _say(f"registry: started 127.0.0.1:{registry.port} (htpasswd auth, data in {registry.data_dir})")
     creds_path.write_text(json.dumps({"port": registry.port, "user": registry.user, "password": password}))

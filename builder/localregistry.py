@@ -35,6 +35,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _no_proxy_opener(auth: tuple[str, str] | None = None) -> urllib.request.OpenerDirector:
     # Never send loopback requests through an HTTP(S)_PROXY from the environment.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -155,6 +164,10 @@ class LocalRegistry:
         self._write_htpasswd()
         attempts = 3 if self._requested_port == 0 else 1
         last_problem = ""
+        if self._requested_port and not _port_free(self._requested_port):
+            # Checked first: another server on that port would answer the readiness probe for us.
+            raise EnvironmentProblem(f"local registry cannot listen on 127.0.0.1:{self._requested_port}: "
+                                     "address already in use")
         for _ in range(attempts):
             self.port = self._requested_port or _free_port()
             self._write_config()
