@@ -75,6 +75,8 @@ def test_vllm_engine_is_the_shipped_compile_cache(docker_cli, released):
     engine = json.loads((Path(record["engine_dir"]) / "engine.json").read_text())
     assert engine["backend"] == "vllm" and engine["backend_version"].startswith("0.32.0")
     assert engine["vllm"]["cache_files"] > 0 and len(engine["vllm"]["cache_digest"]) == 64
+    # Compiled graphs live in torch inductor's cache inside the shipped tree (VLLM_USE_AOT_COMPILE=0).
+    assert any(key.startswith("inductor/") for key in engine["vllm"]["cache_keys"]), engine["vllm"]
     assert any(name.startswith("vllm-cache/") for name in engine["engine_files"])
     info = json.loads(run_docker(["image", "inspect", row["image_id"]], docker=docker_cli).stdout)[0]
     env = dict(item.split("=", 1) for item in info["Config"]["Env"])

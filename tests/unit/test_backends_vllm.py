@@ -50,7 +50,7 @@ def test_serve_argv_uses_the_compile_engine_args():
 
 
 def test_serve_env_points_at_the_shipped_cache(tmp_path):
-    env = vb.serve_env(tmp_path / "engine", params(), {"VLLM_CPU_KVCACHE_SPACE": "2"})
+    env = vb.serve_env(tmp_path / "engine" / "vllm-cache", params(), {"VLLM_CPU_KVCACHE_SPACE": "2"})
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "engine" / "vllm-cache")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # a user's setting wins
     assert env["VLLM_MQ_MAX_CHUNK_BYTES_MB"] == vb.MQ_CHUNK_MIB and env[vb.ENV_SERVED_NAME] == "mopt/minilm-embed"

@@ -10,11 +10,14 @@ hosts without vLLM. `python -m mopt_runtime serve` runs the guard, then execs vL
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from ..params import EngineParams
@@ -31,8 +34,6 @@ CPU_KVCACHE_GIB = "1"
 MQ_CHUNK_MIB = "2"
 ENV_SERVED_NAME = "MOPT_SERVED_MODEL_NAME"
 log = logging.getLogger(__name__)
-
-_LLM: dict[str, object] = {}  # model_dir -> the LLM made by compile(), reused by load() in that process
 
 
 def version() -> str:
@@ -79,14 +80,21 @@ def serve_argv(model_dir: str, params: EngineParams, host: str, port: int, pytho
     return argv
 
 
-def serve_env(engine_dir: str | Path, params: EngineParams, base: dict | None = None) -> dict:
+def serve_env(cache_root: str | Path, params: EngineParams, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
-    env["VLLM_CACHE_ROOT"] = str(Path(engine_dir) / CACHE_SUBDIR)
+    env["VLLM_CACHE_ROOT"] = str(cache_root)
+    # With AOT compile off (below) vLLM 0.32 on CPU writes its compiled graphs only to torch
+    # inductor's cache (default /tmp/torchinductor_<user>): keep that inside the shipped cache too.
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_root) / "torchinductor")
     env[ENV_SERVED_NAME] = params.model_name or ""
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     env.setdefault("VLLM_MQ_MAX_CHUNK_BYTES_MB", MQ_CHUNK_MIB)
+    # vLLM 0.32's AOT-compiled artifact does not load back on CPU ("Compiling model again due to a
+    # load failure ... reason: 'function'"), so every start compiled again; without AOT compile a
+    # warm inductor cache cut engine init from 22.4 s to 5.6 s by hand.
+    env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if params.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -149,58 +157,145 @@ def cache_digest(cache_dir: str | Path) -> tuple[str, int]:
     return h.hexdigest(), len(files)
 
 
-def _make_llm(model_dir: str, params: EngineParams):
-    from vllm import LLM
+class Server:
+    """vLLM's OpenAI server as a child process: the exact serve path of the image (same command, same
+    environment), so the compile cache it writes is the one the image's start-up looks up. (An
+    in-process LLM(...) computes another cache key: its engine runs in another process layout.)"""
 
-    return LLM(model=model_dir, tokenizer=model_dir, **engine_args(params))
+    def __init__(self, model_dir: str, cache_root: str | Path, params: EngineParams, timeout: float = 1800):
+        import socket
+        import subprocess
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        argv = serve_argv(model_dir, params, "127.0.0.1", self.port)
+        log.info("starting %s", " ".join(argv))
+        # The server's output goes to this process's stderr (the compile log).
+        self.proc = subprocess.Popen(argv, env=serve_env(cache_root, params), stdout=sys.stderr, stderr=sys.stderr)
+        atexit.register(self.stop)
+        self.start_seconds = self._wait(timeout)
+
+    def _wait(self, timeout: float) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode} before answering /health")
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return round(time.monotonic() - started, 2)
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM's server did not answer /health within {timeout:.0f}s")
+
+    def embed(self, inputs: list) -> list[list[float]]:
+        """inputs: strings or lists of token ids (the OpenAI API takes both)."""
+        body = json.dumps({"input": inputs, "model": "any"}).encode()
+        request = urllib.request.Request(f"{self.base}/v1/embeddings", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            data = json.loads(response.read())["data"]
+        return [item["embedding"] for item in sorted(data, key=lambda d: d["index"])]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+                self.proc.kill()
+                self.proc.wait()
 
 
-def _embed_ids(llm, seqs: list[list[int]]) -> list[list[float]]:
-    from vllm.inputs import TokensPrompt
+def _hash_dirs(cache: Path) -> set[str]:
+    """What holds compiled graphs: vLLM's torch_compile_cache/<hash> dirs and inductor's cache kinds
+    (fxgraph, aotautograd, ...) under torchinductor/."""
+    keys = set()
+    for sub, prefix in (("torch_compile_cache", "vllm/"), ("torch_compile_cache/torch_aot_compile", "aot/"),
+                        ("torchinductor", "inductor/")):
+        root = cache / sub
+        if root.is_dir():
+            keys |= {prefix + p.name for p in root.iterdir()
+                     if p.is_dir() and p.name not in ("torch_aot_compile", "locks") and any(p.rglob("*"))}
+    return keys
 
-    outs = llm.embed([TokensPrompt(prompt_token_ids=list(s)) for s in seqs], use_tqdm=False)
-    return [list(o.outputs.embedding) for o in outs]
+
+def _serve_root(shipped: Path) -> Path:
+    """Where the image's server reads the cache: the runtime image's VLLM_CACHE_ROOT (the final path,
+    /opt/mopt/engine/engine/vllm-cache). vLLM's AOT artifacts only load from the path they were
+    written at, so compile and verify run the server there and copy the tree to/from `shipped`.
+    Outside an image (no VLLM_CACHE_ROOT) the shipped dir itself is used."""
+    env = os.environ.get("VLLM_CACHE_ROOT")
+    return Path(env) if env else shipped
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(root).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()}
 
 
 def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
-    """Warm vLLM's compile cache in out_dir/vllm-cache: engine start-up (torch.compile of every
-    compile range; CUDA graphs on GPUs) plus one embedding call over the reference texts."""
-    out_dir = Path(out_dir)
-    cache = out_dir / CACHE_SUBDIR
-    cache.mkdir(parents=True, exist_ok=True)
-    for key, value in serve_env(out_dir, params, {}).items():
-        os.environ[key] = value  # before vllm is imported: envs are read at import time
-    llm = _make_llm(model_dir, params)
-    from ..tokenization import TextEncoder
+    """Warm vLLM's compile cache by running the image's serve path: vLLM's OpenAI server starts
+    (torch.compile of every compile range; CUDA graphs on GPUs), embeds warm-up inputs and stops;
+    the cache it wrote is copied into out_dir/vllm-cache."""
+    import shutil
 
-    enc = TextEncoder(model_dir, params.pooling, params.instruction)
-    probe = _embed_ids(llm, enc.encode(["warm-up", "a second, longer warm-up input for the engine"]))
-    _LLM[model_dir] = llm
-    digest, count = cache_digest(cache)
-    if count == 0:
-        log.warning("vLLM wrote nothing under %s: the image will compile at start-up", cache)
-    info = {"vllm_version": version(), "engine_args": engine_args(params), "cache_root": CACHE_SUBDIR,
-            "cache_digest": digest, "cache_files": count}
+    out_dir = Path(out_dir)
+    shipped = out_dir / CACHE_SUBDIR
+    work = _serve_root(shipped)
+    if work != shipped:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    server = Server(model_dir, work, params)
+    try:
+        probe = server.embed(["warm-up", "a second, longer warm-up input for the engine"])
+    finally:
+        server.stop()
+    if not _hash_dirs(work):
+        raise RuntimeError(f"vLLM wrote no torch.compile cache under {work}")
+    if work != shipped:
+        shutil.copytree(work, shipped, symlinks=True)
+    digest, count = cache_digest(shipped)
+    info = {"vllm_version": version(), "engine_args": engine_args(params), "cache_root": str(work),
+            "cache_digest": digest, "cache_files": count, "cache_keys": sorted(_hash_dirs(shipped)),
+            "cold_start_seconds": server.start_seconds}
     (out_dir / ARTIFACT).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return {"artifact": ARTIFACT, "embedding_dim": len(probe[0]), "export_dims": "vllm",
-            "fingerprint": {"vllm": {k: info[k] for k in ("vllm_version", "cache_digest", "cache_files")}}}
+            "fingerprint": {"vllm": {k: info[k] for k in ("vllm_version", "cache_digest", "cache_files",
+                                                            "cache_keys", "cold_start_seconds")}}}
 
 
 def load(engine_dir: str | Path, params: EngineParams):
-    """In-process vLLM over the shipped cache (compile's verify step reuses compile's LLM)."""
+    """vLLM's server over a copy of the shipped cache at the serve path (compile's verify step; the
+    shipped files stay as engine.json hashed them). Warns when that start writes into the cache
+    (part of the compile was not reused)."""
+    import shutil
+
     import torch
 
-    model_dir = params.model_dir or str(engine_dir)
-    llm = _LLM.get(model_dir)
-    if llm is None:
-        for key, value in serve_env(engine_dir, params).items():
-            os.environ[key] = value
-        llm = _LLM[model_dir] = _make_llm(model_dir, params)
+    engine_dir = Path(engine_dir)
+    shipped = engine_dir / CACHE_SUBDIR
+    work = _serve_root(shipped)
+    if work != shipped:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(shipped, work, symlinks=True)
+    before = _snapshot(work)
+    model_dir = params.model_dir if params.model_dir and Path(params.model_dir).is_dir() else str(engine_dir)
+    server = Server(model_dir, work, params)
+    after = _snapshot(work)
+    written = sorted(k for k, v in after.items() if "/locks/" not in k and before.get(k) != v)
+    if written:
+        log.warning("a start over the shipped vLLM cache wrote %d file(s) into it, e.g. %s: part of the "
+                    "compile was not reused", len(written), written[:3])
 
     def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         seqs = [[int(t) for t, m in zip(row, mask, strict=True) if m]
                 for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]
-        return torch.tensor(_embed_ids(llm, seqs), dtype=torch.float32)
+        return torch.tensor(server.embed(seqs), dtype=torch.float32)
 
     return run
 
@@ -218,7 +313,8 @@ def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
     engine_dir = Path(out_dir) / "engine"
     model_dir = params.model_dir if params.model_dir and Path(params.model_dir).is_dir() else str(engine_dir)
     argv = serve_argv(model_dir, params, host, port)
-    env = serve_env(engine_dir, params)
+    # The image sets VLLM_CACHE_ROOT to the shipped cache; a user's -e VLLM_CACHE_ROOT=... wins.
+    env = serve_env(os.environ.get("VLLM_CACHE_ROOT") or engine_dir / CACHE_SUBDIR, params)
     print(f"mopt_runtime: guard passed; exec {' '.join(argv)} (VLLM_CACHE_ROOT={env['VLLM_CACHE_ROOT']})",
           file=sys.stderr, flush=True)
     os.execvpe(argv[0], argv, env)
