@@ -44,13 +44,17 @@ def _warmup_seconds(text: str) -> float | None:
 def first_embedding(docker, image: str, port: int, empty_cache: bool, timeout: float = 600) -> dict:
     name = f"mopt-vllm-bench-{port}"
     run_docker(["rm", "-f", name], docker=docker, check=False)
-    extra = ["--tmpfs", f"{EMPTY_CACHE}:uid=10001,gid=10001,mode=0700", "-e", f"VLLM_CACHE_ROOT={EMPTY_CACHE}"] \
+    extra = ["--tmpfs", f"{EMPTY_CACHE}:exec,uid=10001,gid=10001,mode=0700", "-e", f"VLLM_CACHE_ROOT={EMPTY_CACHE}"] \
         if empty_cache else []
     start = time.monotonic()
     run_docker(["run", "-d", "--name", name, "--label", "io.mopt.bench=1", "-p", f"127.0.0.1:{port}:8000",
                 *extra, image], docker=docker)
     try:
         while time.monotonic() - start < timeout:
+            state = run_docker(["inspect", "-f", "{{.State.Status}}", name], docker=docker, check=False).stdout
+            if state.strip() == "exited":
+                logs = run_docker(["logs", name], docker=docker, check=False)
+                raise RuntimeError(f"the container exited: {(logs.stdout + logs.stderr)[-800:]}")
             try:
                 response = requests.post(f"http://127.0.0.1:{port}/v1/embeddings",
                                          json={"input": ["cold start probe"]}, timeout=5)
@@ -61,9 +65,7 @@ def first_embedding(docker, image: str, port: int, empty_cache: bool, timeout: f
                     init = re.findall(r"init engine .*? took ([0-9.]+) s", text)
                     return {"first_embedding_s": round(seconds, 2),
                             "engine_init_s": float(init[-1]) if init else None,
-                            "warmup_s": _warmup_seconds(text),
-                            # vLLM logs "saved AOT compiled function" only when it compiled (a miss).
-                            "cache_hit": "saved AOT compiled function" not in text}
+                            "warmup_s": _warmup_seconds(text)}
             except requests.RequestException:
                 pass
             time.sleep(0.25)
@@ -86,9 +88,8 @@ def main() -> None:
             result = first_embedding(docker, args.image, args.port, empty)
             runs[label].append(result)
             print(f"run {i + 1} {label:>22}: first embedding {result['first_embedding_s']:6.1f} s "
-                  f"(engine init {result['engine_init_s']} s, compile warm-up {result['warmup_s']} s, "
-                  f"cache hit {result['cache_hit']})", flush=True)
-    summary = {label: {key: statistics.median(r[key] for r in rs if r[key] is not None)
+                  f"(engine init {result['engine_init_s']} s, compile warm-up {result['warmup_s']} s)", flush=True)
+    summary = {label: {key: round(statistics.median(r[key] for r in rs if r[key] is not None), 2)
                        if any(r[key] is not None for r in rs) else None
                        for key in ("first_embedding_s", "engine_init_s", "warmup_s")}
                for label, rs in runs.items()}

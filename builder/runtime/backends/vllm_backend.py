@@ -261,12 +261,13 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
         shutil.copytree(work, shipped, symlinks=True)
     digest, count = cache_digest(shipped)
     info = {"vllm_version": version(), "engine_args": engine_args(params), "cache_root": str(work),
-            "cache_digest": digest, "cache_files": count, "cache_keys": sorted(_hash_dirs(shipped)),
-            "cold_start_seconds": server.start_seconds}
+            "cache_digest": digest, "cache_files": count, "cache_keys": sorted(_hash_dirs(shipped))}
+    # No timings in the artifact or engine.json: they would change the engine's sha256 at every build.
+    log.info("vLLM's server answered /health after %.1f s with an empty cache", server.start_seconds)
     (out_dir / ARTIFACT).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return {"artifact": ARTIFACT, "embedding_dim": len(probe[0]), "export_dims": "vllm",
             "fingerprint": {"vllm": {k: info[k] for k in ("vllm_version", "cache_digest", "cache_files",
-                                                            "cache_keys", "cold_start_seconds")}}}
+                                                            "cache_keys")}}}
 
 
 def load(engine_dir: str | Path, params: EngineParams):
