@@ -1,34 +1,19 @@
 """Air-gap bundles: mopt export writes images, sums, SBOM and report; mopt install verifies, loads,
 checks the host and smoke-tests. Uses the cpu demo image (built here if the session has not)."""
 import json
-import os
 import subprocess
-import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 
 from builder.dockerclient import find_docker
-from builder.errors import MoptError
+from tests.integration.conftest import mopt_cli as mopt
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
-STATE = REPO / ".mopt" / "test-state"
-
-
-def mopt(*args, timeout=1800):
-    env = dict(os.environ, MOPT_STATE_DIR=str(STATE), TESTCONTAINERS_RYUK_DISABLED="true")
-    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    try:
-        find_docker()
-    except MoptError as exc:
-        pytest.skip(f"needs the Docker daemon (bash scripts/setup.sh starts it): {exc}")
+def bundle(docker_cli, tmp_path_factory):
     built = mopt("release", "--select", "minilm-embed:cpu")
     assert built.returncode == 0, built.stderr[-2000:]
     out = tmp_path_factory.mktemp("bundle") / "bundle.tar"

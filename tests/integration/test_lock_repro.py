@@ -2,39 +2,21 @@
 demo variant, against the real daemon. Works in a copy of the repo's matrix so the repo's own lock
 file is untouched; builds share .mopt/test-state."""
 import json
-import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from builder.dockerclient import find_docker
-from builder.errors import MoptError
+from tests.integration.conftest import STATE, copy_matrix
+from tests.integration.conftest import mopt_cli as mopt
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
-STATE = REPO / ".mopt" / "test-state"
 VARIANT = "minilm-embed:cpu"
 
 
-def mopt(*args, cwd: Path, timeout=2400):
-    env = dict(os.environ, MOPT_STATE_DIR=str(STATE), TESTCONTAINERS_RYUK_DISABLED="true")
-    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    try:
-        find_docker()
-    except MoptError as exc:
-        pytest.skip(f"needs the Docker daemon (bash scripts/setup.sh starts it): {exc}")
-    work = tmp_path_factory.mktemp("lock")
-    for name in ("matrix.yaml", "images", "templates"):
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
+def work(docker_cli, tmp_path_factory):
+    work = copy_matrix(tmp_path_factory.mktemp("lock"))
     result = mopt("lock", "--select", VARIANT, cwd=work)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return work

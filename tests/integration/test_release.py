@@ -8,33 +8,18 @@ that already built them reuses the engines; a fresh CI machine builds everything
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import requests
 import yaml
 
-from builder.dockerclient import find_docker, run_docker
-from builder.errors import MoptError
-from builder.localregistry import LocalRegistry, find_registry_binary
+from builder.dockerclient import run_docker
+from builder.localregistry import LocalRegistry
+from tests.integration.conftest import STATE, copy_matrix
+from tests.integration.conftest import mopt_cli as mopt
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
-STATE = REPO / ".mopt" / "test-state"
-
-
-@pytest.fixture(scope="session")
-def docker_cli():
-    try:
-        cli = find_docker()
-        find_registry_binary()
-    except MoptError as exc:
-        pytest.skip(f"needs the Docker daemon and docker-registry (bash scripts/setup.sh starts them): {exc}")
-    return cli
 
 
 @pytest.fixture(scope="session")
@@ -45,15 +30,6 @@ def registry(docker_cli, tmp_path_factory):
         reg.login(config_dir=config)
         reg.docker_config = config
         yield reg
-
-
-def mopt(*args: str, cwd: Path = REPO, docker_config: Path | None = None, timeout: int = 1800):
-    env = dict(os.environ, MOPT_STATE_DIR=str(STATE), TESTCONTAINERS_RYUK_DISABLED="true")
-    env.pop("MOPT_MATRIX", None)
-    if docker_config:
-        env["DOCKER_CONFIG"] = str(docker_config)
-    return subprocess.run([sys.executable, "-m", "builder", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def catalog(reg: LocalRegistry) -> list[str]:
@@ -148,15 +124,8 @@ def test_wrong_credentials_push_nothing(docker_cli, released, tmp_path):
         assert catalog(reg) == []
 
 
-def _workdir(tmp_path: Path) -> Path:
-    for name in ("matrix.yaml", "images", "templates"):
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
-    return tmp_path
-
-
 def test_failed_smoke_test_is_never_published(released, tmp_path):
-    work = _workdir(tmp_path)
+    work = copy_matrix(tmp_path)
     recipe = work / "images/minilm-embed/image.yaml"
     recipe.write_text(recipe.read_text().replace("dimension: 384", "dimension: 385"))
     with LocalRegistry(tmp_path / "reg", user="ci", password="pw-smoke") as reg:
@@ -171,7 +140,7 @@ def test_failed_smoke_test_is_never_published(released, tmp_path):
 
 
 def test_failing_variant_does_not_stop_the_others(released, tmp_path):
-    work = _workdir(tmp_path)
+    work = copy_matrix(tmp_path)
     matrix = yaml.safe_load((work / "matrix.yaml").read_text())
     # A CUDA variant whose nvidia/cuda base cannot be pulled here fails at build; the cpu one goes on.
     matrix["images"]["qwen3-embed"]["flavours"] = {"aot": dict(matrix["images"]["qwen3-embed"]["flavours"]["aot"],
@@ -179,7 +148,8 @@ def test_failing_variant_does_not_stop_the_others(released, tmp_path):
     (work / "matrix.yaml").write_text(yaml.safe_dump(matrix, sort_keys=False))
     with LocalRegistry(tmp_path / "reg", user="ci", password="pw-keep-going") as reg:
         reg.login(config_dir=tmp_path / "cfg")
-        result = mopt("release", "--registry", reg.address, cwd=work, docker_config=tmp_path / "cfg")
+        result = mopt("release", "--select", "qwen3-embed:*", "--select", "minilm-embed:cpu", "--registry",
+                      reg.address, cwd=work, docker_config=tmp_path / "cfg")
         assert result.returncode == 4, result.stderr[-2000:]
         rows = {v["id"]: v for v in latest_report()["variants"]}
         assert rows["qwen3-embed:cu128-sm90-aot"]["failed_step"] == "build"

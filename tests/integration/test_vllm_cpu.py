@@ -8,32 +8,17 @@ Shares .mopt/test-state with test_release.py, so on a warm machine this reuses t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import requests
 
-from builder.dockerclient import find_docker, run_docker
-from builder.errors import MoptError
-from builder.localregistry import LocalRegistry, find_registry_binary
+from builder.dockerclient import run_docker
+from builder.localregistry import LocalRegistry
+from tests.integration.conftest import STATE, mopt_cli
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
-STATE = REPO / ".mopt" / "test-state"
 VARIANT = "minilm-embed:cpu-vllm"
-
-
-@pytest.fixture(scope="module")
-def docker_cli():
-    try:
-        cli = find_docker()
-        find_registry_binary()
-    except MoptError as exc:
-        pytest.skip(f"needs the Docker daemon and docker-registry (bash scripts/setup.sh starts them): {exc}")
-    return cli
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +27,8 @@ def released(docker_cli, tmp_path_factory):
     with LocalRegistry(root, user="ci", password="vllm-cpu-Pa55-for-test") as reg:
         config = tmp_path_factory.mktemp("docker-config-vllm")
         reg.login(config_dir=config)
-        env = dict(os.environ, MOPT_STATE_DIR=str(STATE), TESTCONTAINERS_RYUK_DISABLED="true",
-                   DOCKER_CONFIG=str(config))
-        env.pop("MOPT_MATRIX", None)
-        result = subprocess.run([sys.executable, "-m", "builder", "release", "--select", VARIANT,
-                                 "--registry", f"{reg.address}/ci"], cwd=REPO, env=env, capture_output=True,
-                                text=True, timeout=1800)
+        result = mopt_cli("release", "--select", VARIANT, "--registry", f"{reg.address}/ci",
+                          docker_config=config)
         report = json.loads((STATE / "reports" / "latest.json").read_text())
         yield reg, result, report
 
