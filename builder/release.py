@@ -34,11 +34,13 @@ def _smoke(state: Path, matrix, variant: Variant, record: dict, row: VariantRepo
 
     recipe = next(e for e in matrix.images if e.name == variant.image).recipe
     engine_dir = Path(record["engine_dir"])
+    reference_file = engine_dir / "reference.json"  # chat engines have no embedding reference
     spec = SmokeSpec(image=record["image_id"], port=recipe.port, inputs=recipe.smoke_inputs,
                      dimension=record["model"]["dimension"], min_cosine=recipe.min_cosine,
-                     normalize=recipe.normalize, reference=json.loads((engine_dir / "reference.json").read_text()),
+                     normalize=recipe.normalize,
+                     reference=json.loads(reference_file.read_text()) if reference_file.is_file() else {},
                      engine_json=json.loads((engine_dir / "engine.json").read_text()),
-                     start_timeout_s=recipe.start_timeout_s, gpu=variant.device == "cuda")
+                     start_timeout_s=recipe.start_timeout_s, gpu=variant.device == "cuda", task=recipe.task)
     # A pass is reused only for the same image and the same checks (dimension, inputs, threshold).
     smoke_key = sha256_text(json.dumps(asdict(spec), sort_keys=True, default=str))
     previous = _smoke_path(state, variant)

@@ -44,6 +44,7 @@ class SmokeSpec:
     engine_json: dict
     start_timeout_s: int = 120
     gpu: bool = False
+    task: str = "embedding"  # embedding | chat (OpenAI /v1/chat/completions, e.g. trtllm-serve)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,34 @@ def _guard_refuses_tampered(spec: SmokeSpec, run_id: str) -> None:
         raise SmokeTestError(f"the guard's message does not name the sha256 mismatch: {logs[-300:]}")
 
 
+def _chat(base: str, prompt: str) -> str:
+    response = requests.post(f"{base}/v1/chat/completions", timeout=300, json={
+        "model": "smoke", "messages": [{"role": "user", "content": prompt}], "max_tokens": 16, "temperature": 0})
+    if response.status_code != 200:
+        raise SmokeTestError(f"POST /v1/chat/completions answered {response.status_code}: {response.text[:300]}")
+    content = response.json()["choices"][0]["message"]["content"]
+    if not isinstance(content, str) or not content.strip():
+        raise SmokeTestError(f"the completion for {prompt!r} is empty")
+    return content
+
+
+def chat_checks(base: str, prompts: list[str]) -> dict[str, str]:
+    """A chat server's checks: every prompt gets a non-empty completion, and greedy decoding repeats."""
+    checks: dict[str, str] = {}
+    first: list[str] = []
+    _check(checks, "completion", lambda: first.extend(_chat(base, p) for p in prompts))
+
+    def deterministic() -> None:
+        again = [_chat(base, p) for p in prompts]
+        assert again == first, f"temperature-0 completions differ between two requests: {first!r} vs {again!r}"
+
+    if checks["completion"] == "ok":
+        _check(checks, "deterministic", deterministic)
+    else:
+        checks["deterministic"] = "skipped: no completion"
+    return checks
+
+
 def smoke_test(spec: SmokeSpec, log: Log = print) -> SmokeResult:
     start = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
@@ -184,12 +213,16 @@ def smoke_test(spec: SmokeSpec, log: Log = print) -> SmokeResult:
             uid = out.decode().split()[1] if code == 0 and out.split() else "?"
             assert uid not in ("0", "?"), f"the server runs as uid {uid}"
 
-        for name, fn in (("dimension", dimension), ("normalised", normalised), ("deterministic", deterministic),
-                         ("accuracy", accuracy), ("non-root", not_root)):
-            if name != "dimension" and checks.get("dimension") != "ok":
-                checks[name] = "skipped: no embeddings"
-                continue
-            _check(checks, name, fn)
+        if spec.task == "chat":
+            checks.update(chat_checks(base, texts))
+        else:
+            for name, fn in (("dimension", dimension), ("normalised", normalised), ("deterministic", deterministic),
+                             ("accuracy", accuracy)):
+                if name != "dimension" and checks.get("dimension") != "ok":
+                    checks[name] = "skipped: no embeddings"
+                    continue
+                _check(checks, name, fn)
+        _check(checks, "non-root", not_root)
         _check(checks, "guard-refuses-tampered-engine", lambda: _guard_refuses_tampered(spec, run_id))
     except docker.errors.DockerException as exc:
         checks["container"] = f"docker: {exc}"
