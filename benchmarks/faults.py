@@ -657,9 +657,71 @@ def build_killed(bench: Bench, rep: int) -> dict:
             "seconds": round(time.monotonic() - started, 1)}
 
 
+DOCKERD_LOG = Path("/var/log/dockerd.log")
+
+
+def restart_dockerd(docker: DockerCli, timeout: float = 90) -> float:
+    """Stop dockerd (SIGTERM, as a host restart or package upgrade does) and start it the way
+    scripts/setup.sh does; returns seconds until `docker info` answers again."""
+    started = time.monotonic()
+    pids = subprocess.run(["pidof", "dockerd"], capture_output=True, text=True).stdout.split()
+    assert pids, "no dockerd process to restart"
+    for pid in pids:
+        os.kill(int(pid), signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["pidof", "dockerd"], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "dockerd did not stop"
+        time.sleep(0.2)
+    with DOCKERD_LOG.open("ab") as log:
+        subprocess.Popen(["/usr/sbin/dockerd"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)
+    while run_docker(["info"], docker=docker, check=False, timeout=10).returncode != 0:
+        assert time.monotonic() < deadline, "dockerd did not come back"
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def dockerd_restarted(bench: Bench, rep: int) -> dict:
+    """dockerd restarted while BuildKit runs a RUN step: the build fails clearly, leaves no stage tag,
+    and a re-run completes. Stops every container on the host: CI (or MOPT_ALLOW_DOCKERD_RESTART=1) only."""
+    started = time.monotonic()
+    name = f"faults{bench.suffix}"
+    key = hashlib.sha256(f"dockerd-{bench.suffix}-{rep}".encode()).hexdigest()
+    ctx = bench.tmp / f"dockerd-{rep}"
+    ctx.mkdir(parents=True)
+    (ctx / "Dockerfile").write_text(f"FROM {bench.shell}\nRUN echo {key} > /key && sleep 8\n")
+    state = bench.tmp / "state"
+    real = f"mopt-stage/{name}:{key[:32]}"
+    bench.names.append(real)
+    proc = run_stage_build(state, name, key, ctx / "Dockerfile", ctx, popen=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # wait until BuildKit is inside the RUN step
+        lines.append(line)
+        if "sleep 8" in line:
+            break
+    time.sleep(1.0)
+    restart_s = restart_dockerd(bench.docker)
+    lines += proc.stdout.readlines()
+    code = proc.wait(120)
+    output = "".join(lines)
+    assert code != 0, f"the build survived a dockerd restart?\n{output[-1500:]}"
+    assert "stage failed" in output or "failed with exit code" in output or "Error" in output, output[-1500:]
+    after_restart = stage_tags(bench.docker, name)
+    assert real not in after_restart, f"a stage tag exists after the failed build: {after_restart}"
+    res = run_stage_build(state, name, key, ctx / "Dockerfile", ctx)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    after = stage_tags(bench.docker, name)
+    assert after.get(real) == key, after
+    assert not [t for t in after if t.endswith("-partial")], f"stray partial tag: {after}"
+    return {"scenario": "dockerd_restarted", "rep": rep, "fault_injected": True, "first_run_ok": False,
+            "build_exit": code, "dockerd_back_after_s": round(restart_s, 1), "rerun_ok": True,
+            "seconds": round(time.monotonic() - started, 1)}
+
+
 SCENARIOS: dict[str, Callable[[Bench, int], dict]] = {
     "registry_killed": registry_killed, "proxy": proxy, "wrong_credentials": wrong_credentials,
-    "disk_full": disk_full, "build_killed": build_killed}
+    "disk_full": disk_full, "build_killed": build_killed, "dockerd_restarted": dockerd_restarted}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -691,6 +753,9 @@ def main() -> None:
                 if why:
                     skipped[name] = why
                     continue
+            if name == "dockerd_restarted" and os.environ.get("MOPT_ALLOW_DOCKERD_RESTART") != "1":
+                skipped[name] = "restarting dockerd stops every container on the host; MOPT_ALLOW_DOCKERD_RESTART=1"
+                continue
             for rep in range(args.reps):
                 try:
                     row = SCENARIOS[name](bench, rep)

@@ -83,6 +83,14 @@ def test_build_process_killed(bench):
 
 
 # --------------------------------------------------------------------------- secrets
+@pytest.mark.skipif(os.environ.get("MOPT_ALLOW_DOCKERD_RESTART") != "1",
+                    reason="restarting dockerd stops every container on this host; CI sets "
+                           "MOPT_ALLOW_DOCKERD_RESTART=1 (scripts/test.sh with CI=true)")
+def test_dockerd_restarted_during_a_build(bench):
+    rows = _reps(bench, "dockerd_restarted", 2)
+    assert all(r["build_exit"] != 0 and r["rerun_ok"] for r in rows)
+
+
 def test_ca_bundle_reaches_run_step_but_never_the_image(bench, tmp_path):
     marker = f"MOPT-CA-MARKER-{secrets.token_hex(8)}"
     ca = tmp_path / "ca.pem"
