@@ -30,6 +30,11 @@ def build_module(model_dir: str, params: EngineParams, dtype: torch.dtype, devic
 def _example(params: EngineParams, device: str, pad_left: bool):
     # Batch 2 and a non-trivial length keep export from specialising either dim to 0/1.
     b, s = min(2, params.max_batch) if params.max_batch > 1 else 1, min(16, params.max_seq_len)
+    return example_inputs(b, s, device, pad_left)
+
+
+def example_inputs(b: int, s: int, device: str, pad_left: bool):
+    """ids and mask of shape (b, s); row 1 half padded (left or right) so padding paths are traced."""
     ids = torch.ones(b, s, dtype=torch.long, device=device)
     mask = torch.ones(b, s, dtype=torch.long, device=device)
     if b > 1:

@@ -82,17 +82,6 @@ def _point_caches(cache_dir: Path) -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
 
 
-def _inputs(b: int, s: int, device: str, pad_left: bool):
-    ids = torch.ones(b, s, dtype=torch.long, device=device)
-    mask = torch.ones(b, s, dtype=torch.long, device=device)
-    if b > 1:
-        if pad_left:
-            mask[1, : s // 2] = 0
-        else:
-            mask[1, s // 2:] = 0
-    return ids, mask
-
-
 def _compiled(module: EmbeddingModule):
     return torch.compile(module, fullgraph=False)
 
@@ -113,7 +102,7 @@ def _guard_filter():
 def precompile(module: EmbeddingModule, params: EngineParams, path: Path) -> dict:
     """Save Dynamo + Inductor output for every shape (both dims dynamic) to path; needs Inductor caches on."""
     b, s = warmup_shapes(params)[0]
-    ids, mask = _inputs(b, s, params.device, params.pooling == "last")
+    ids, mask = torch_aot.example_inputs(b, s, params.device, params.pooling == "last")
     for t in (ids, mask):
         torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(t, 1)
@@ -148,7 +137,7 @@ def _warm(fn, params: EngineParams) -> list[dict]:
     with torch.no_grad():
         for b, s in warmup_shapes(params):
             t = time.monotonic()
-            _call(fn, *_inputs(b, s, params.device, params.pooling == "last"))
+            _call(fn, *torch_aot.example_inputs(b, s, params.device, params.pooling == "last"))
             if params.device == "cuda":
                 torch.cuda.synchronize()
             done.append({"batch": b, "seq": s, "seconds": round(time.monotonic() - t, 3)})
