@@ -1,4 +1,7 @@
-"""Runtime errors carry their exit code so the CLI never shows a traceback for a user error."""
+"""Runtime errors carry their exit code so the CLI never shows a traceback for a user error.
+
+These mirror builder/errors.py on purpose: the runtime ships alone inside images (as mopt_runtime)
+and must not import the host-side package."""
 from __future__ import annotations
 
 
