@@ -352,7 +352,7 @@ def ensure_base(spec: BaseSpec, state_dir: str | os.PathLike[str], docker: Docke
                               epoch=spec.epoch, created_seconds=time.time(),
                               size_bytes=int(info.get("Size") or 0), suite=spec.suite,
                               variant=spec.variant, mirror=spec.mirror, tool="unknown (state recovered)",
-                              reused=True)
+                              rootfs_sha256=labels.get("io.mopt.base.rootfs.sha256", ""), reused=True)
             _write_state(spath, image)
             log(f"base {spec.name}: image already has key {key[:12]}; recorded state, nothing to build")
             return image
