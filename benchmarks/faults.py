@@ -9,8 +9,9 @@ them a few times, this script runs them more and writes benchmarks/results/fault
   registry that answers 500 or 429 and drops connections at random;
 - ``wrong_credentials``: a config.json with a wrong password;
 - ``disk_full``: the registry's storage is an 8 MiB tmpfs and the image has a larger layer;
-- ``build_killed``: a build process is SIGKILLed while BuildKit runs (dockerd itself is NOT restarted:
-  other work shares this daemon).
+- ``build_killed``: a build process is SIGKILLed while BuildKit runs.
+- ``dockerd_restarted``: dockerd is stopped and started again during a BuildKit RUN step (only with
+  MOPT_ALLOW_DOCKERD_RESTART=1: it stops every container on the host).
 
 After each one: every tag in the registry maps to a complete manifest (its digest is the body's
 sha256 and every referenced blob answers), tags hold the old or the new digest (never a short tag
@@ -661,16 +662,22 @@ DOCKERD_LOG = Path("/var/log/dockerd.log")
 
 
 def restart_dockerd(docker: DockerCli, timeout: float = 90) -> float:
-    """Stop dockerd (SIGTERM, as a host restart or package upgrade does) and start it the way
-    scripts/setup.sh does; returns seconds until `docker info` answers again."""
+    """Stop dockerd the way a service manager does (SIGTERM, then SIGKILL after a grace period: a
+    graceful stop would let the build finish) and start it the way scripts/setup.sh does; returns
+    seconds until `docker info` answers again."""
     started = time.monotonic()
     pids = subprocess.run(["pidof", "dockerd"], capture_output=True, text=True).stdout.split()
     assert pids, "no dockerd process to restart"
     for pid in pids:
         os.kill(int(pid), signal.SIGTERM)
+    grace = time.monotonic() + 3
     deadline = time.monotonic() + timeout
     while subprocess.run(["pidof", "dockerd"], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, "dockerd did not stop"
+        if time.monotonic() > grace:
+            for pid in subprocess.run(["pidof", "dockerd"], capture_output=True, text=True).stdout.split():
+                with suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
         time.sleep(0.2)
     with DOCKERD_LOG.open("ab") as log:
         subprocess.Popen(["/usr/sbin/dockerd"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -689,18 +696,18 @@ def dockerd_restarted(bench: Bench, rep: int) -> dict:
     key = hashlib.sha256(f"dockerd-{bench.suffix}-{rep}".encode()).hexdigest()
     ctx = bench.tmp / f"dockerd-{rep}"
     ctx.mkdir(parents=True)
-    (ctx / "Dockerfile").write_text(f"FROM {bench.shell}\nRUN echo {key} > /key && sleep 8\n")
+    (ctx / "Dockerfile").write_text(f"FROM {bench.shell}\nRUN echo {key} > /key && sleep 30\n")
     state = bench.tmp / "state"
     real = f"mopt-stage/{name}:{key[:32]}"
     bench.names.append(real)
     proc = run_stage_build(state, name, key, ctx / "Dockerfile", ctx, popen=True)
     assert proc.stdout is not None
     lines = []
-    for line in proc.stdout:  # wait until BuildKit is inside the RUN step
+    for line in proc.stdout:  # BuildKit's own output goes to the stage log, not here
         lines.append(line)
-        if "sleep 8" in line:
+        if "docker build ->" in line:
             break
-    time.sleep(1.0)
+    time.sleep(4.0)  # inside the 30 s RUN step by now (its base is a tiny local image)
     restart_s = restart_dockerd(bench.docker)
     lines += proc.stdout.readlines()
     code = proc.wait(120)

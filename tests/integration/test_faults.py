@@ -4,8 +4,8 @@ the CA bundle secret.
 
 Each scenario runs a few times; after each run every tag in the registry maps to a complete manifest
 (digest = body hash, every blob answers) holding the old or the new digest, no short tag moved ahead
-of a failed release, no stray tag, the error is clear, and a re-run completes. dockerd itself is not
-restarted: other work shares the daemon on this machine, so the build process is killed instead.
+of a failed release, no stray tag, the error is clear, and a re-run completes. The dockerd restart
+stops every container on the host, so it runs only with MOPT_ALLOW_DOCKERD_RESTART=1 (CI sets it).
 All traffic stays on 127.0.0.1.
 """
 from __future__ import annotations
