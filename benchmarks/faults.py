@@ -616,6 +616,15 @@ def stage_tags(docker: DockerCli, name: str) -> dict[str, str]:
     return tags
 
 
+def rerun_tags_the_stage(bench: Bench, state: Path, name: str, key: str, ctx: Path) -> None:
+    """After a fault: the same build re-run completes, tags the stage with its key, leaves no -partial tag."""
+    res = run_stage_build(state, name, key, ctx / "Dockerfile", ctx)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    after = stage_tags(bench.docker, name)
+    assert after.get(f"mopt-stage/{name}:{key[:32]}") == key, after
+    assert not [t for t in after if t.endswith("-partial")], f"stray partial tag: {after}"
+
+
 def build_killed(bench: Bench, rep: int) -> dict:
     """SIGKILL the build process while BuildKit runs a RUN step; no half-tagged stage; a re-run completes.
 
@@ -647,11 +656,7 @@ def build_killed(bench: Bench, rep: int) -> dict:
     after_kill = stage_tags(bench.docker, name)
     assert real not in after_kill, f"the final stage tag exists after the kill: {after_kill}"
     assert all(v == "" or k.endswith("-partial") for k, v in after_kill.items() if key[:32] in k)
-    res = run_stage_build(state, name, key, ctx / "Dockerfile", ctx)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    after = stage_tags(bench.docker, name)
-    assert after.get(real) == key, after
-    assert not [t for t in after if t.endswith("-partial")], f"stray partial tag: {after}"
+    rerun_tags_the_stage(bench, state, name, key, ctx)
     return {"scenario": "build_killed", "rep": rep, "fault_injected": True, "first_run_ok": False,
             "killed": "process group" if whole_group else "python process only (docker CLI orphaned)",
             "partial_tag_left_by_kill": any(t.endswith("-partial") for t in after_kill), "rerun_ok": True,
@@ -716,11 +721,7 @@ def dockerd_restarted(bench: Bench, rep: int) -> dict:
     assert "stage failed" in output or "failed with exit code" in output or "Error" in output, output[-1500:]
     after_restart = stage_tags(bench.docker, name)
     assert real not in after_restart, f"a stage tag exists after the failed build: {after_restart}"
-    res = run_stage_build(state, name, key, ctx / "Dockerfile", ctx)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    after = stage_tags(bench.docker, name)
-    assert after.get(real) == key, after
-    assert not [t for t in after if t.endswith("-partial")], f"stray partial tag: {after}"
+    rerun_tags_the_stage(bench, state, name, key, ctx)
     return {"scenario": "dockerd_restarted", "rep": rep, "fault_injected": True, "first_run_ok": False,
             "build_exit": code, "dockerd_back_after_s": round(restart_s, 1), "rerun_ok": True,
             "seconds": round(time.monotonic() - started, 1)}

@@ -172,6 +172,6 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
     _say(f"report: {json_path} and {md_path}")
     if first_error is not None:
         failed = summary["failed"]
-        raise type(first_error)(f"{failed} of {len(report.variants)} variants failed; see {md_path}") \
-            if type(first_error) is not MoptError else MoptError(f"{failed} variants failed; see {md_path}")
+        # The first failure's class decides the exit code (4 build, 5 smoke test, 6 publish, ...).
+        raise type(first_error)(f"{failed} of {len(report.variants)} variants failed; see {md_path}")
     return report
