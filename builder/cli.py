@@ -445,6 +445,30 @@ def verify_repro_cmd(matrix_path: str, select: str, state_dir: Path, ca_bundle, 
     click.echo(f"reproducible: the two builds' file manifests match (report: {report['report_path']})")
 
 
+@cli.command("prune")
+@state_option
+@click.option("--keep-state", "keep_states", multiple=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Also keep the images this state directory's variant records name (repeatable).")
+@click.option("--label", "labels", multiple=True, metavar="KEY[=VALUE]",
+              help="Only images that also carry this label, e.g. io.mopt.variant=minilm-embed:cpu (repeatable).")
+@click.option("--build-cache-gib", type=click.FloatRange(min=0), metavar="GIB",
+              help="Also trim BuildKit's cache to at most this many GiB (least recently used goes first).")
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+def prune_cmd(state_dir: Path, keep_states: tuple[Path, ...], labels: tuple[str, ...], build_cache_gib: float | None,
+              dry_run: bool) -> None:
+    """Remove mopt's images that no kept state directory's records name; optionally trim BuildKit's cache."""
+    from .dockerclient import find_docker
+    from .prune import prune
+
+    result = prune(find_docker(), (state_dir, *keep_states), labels=labels, build_cache_gib=build_cache_gib,
+                   dry_run=dry_run, log=click.echo)
+    verb = "would remove" if dry_run else "removed"
+    click.echo(f"{verb} {len(result.removed)} images, kept {len(result.kept)}; free for Docker: "
+               f"{result.free_before_gib:.1f} -> {result.free_after_gib:.1f} GiB")
+    for image, reason in result.failed:  # typically a container (running or stopped) still uses it
+        click.echo(f"in use, kept: {' '.join(image.tags) or image.image_id}: {reason}")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="mopt", standalone_mode=False)

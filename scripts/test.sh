@@ -9,4 +9,13 @@ bash scripts/setup.sh
 export TESTCONTAINERS_RYUK_DISABLED=true
 # CI has the machine to itself: the fault test that restarts dockerd (stopping every container) may run.
 if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
-exec .venv/bin/python -m pytest -p no:cacheprovider "$@" tests
+# Builds leave stage images behind whenever an input changes (GBs each): before the run, drop mopt's
+# images that neither the tests' state nor the demo's names, and keep BuildKit's cache within 10 GiB.
+.venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib 10 | tail -n 3
+rc=0
+.venv/bin/python -m pytest -p no:cacheprovider "$@" tests || rc=$?
+# A CI clone is thrown away after the run: give its images' disk back now, not at the next run.
+if [ "${CI:-}" = "true" ]; then
+    .venv/bin/python -m builder prune --state-dir .mopt --build-cache-gib 10 | tail -n 3 || true
+fi
+exit "$rc"
