@@ -47,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=8, help="requests per client")
     p.add_argument("--deadline-s", type=float, default=540.0)
     p.add_argument("--accuracy-precisions", default="fp32,bf16,fp16")
+    p.add_argument("--compile-modes", default="default,max-autotune-no-cudagraphs",
+                   help="engines to build and measure, in order (later ones only if the deadline allows)")
+    p.add_argument("--jit", action="store_true", help="also time torch.compile JIT (minutes of warm-up)")
     a = p.parse_args(argv)
     if a.device == "cpu" and a.precision != "fp32":
         p.error("--device cpu needs --precision fp32")
@@ -90,11 +93,13 @@ import torch
 t_import = time.monotonic() - t0
 from builder.runtime.engine import Engine
 eng = Engine.open(sys.argv[1])
+t_open = time.monotonic() - t0
 first = eng.embed_texts(["hello world"])
 t_first = time.monotonic() - t0
 import builder.runtime.backends.torch_compile_cache as tcc
 res = {"load_path": tcc.LAST_LOAD_PATH, "import_torch_s": round(t_import, 2), "first_embedding_s": round(t_first, 2),
-       "beyond_import_s": round(t_first - t_import, 2), "dim": len(first[0])}
+       "beyond_import_s": round(t_first - t_import, 2), "open_s": round(t_open - t_import, 2),
+       "dim": len(first[0])}
 if len(sys.argv) > 2:
     b, s = int(sys.argv[2]), int(sys.argv[3])
     dev = eng.params.device
@@ -157,6 +162,33 @@ def eager(model_dir: Path, a) -> dict:
     if a.device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def jit(model_dir: Path, a) -> dict:
+    """torch.compile JIT on the same model and batch (static shape), in this process: warm-up and speed."""
+    import torch
+
+    from builder.runtime.backends.torch_aot import DTYPES, build_module
+    from builder.runtime.params import EngineParams
+
+    mode = a.compile_modes.split(",")[-1]
+    params = EngineParams(device=a.device, precision=a.precision, pooling="last", max_batch=a.batch,
+                          max_seq_len=a.seq, backend=BACKEND)
+    m = torch.compile(build_module(str(model_dir), params, DTYPES[a.precision], a.device), mode=mode)
+    ids = torch.randint(0, 500, (a.batch, a.seq), device=a.device)
+    mask = torch.ones_like(ids)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    with torch.no_grad():
+        t = time.monotonic()
+        m(ids, mask)
+        sync()
+        warm = time.monotonic() - t
+        t = time.monotonic()
+        for _ in range(10):
+            m(ids, mask)
+        sync()
+        dt = (time.monotonic() - t) / 10
+    return {"mode": mode, "warmup_s": round(warm, 1), "jit_tok_s": round(a.batch * a.seq / dt)}
 
 
 def guard_cases(engine_dir: Path, work: Path) -> list[dict]:
@@ -256,24 +288,34 @@ def main(argv=None) -> int:
     engine = work / "engine"
     section("eager", lambda: eager(model_dir, a), 30)
 
-    def compile_step():
-        p, secs = cli("compile", "--model", str(model_dir), "--out", str(engine), "--backend", BACKEND,
+    def compile_step(mode: str, dest: Path):
+        p, secs = cli("compile", "--model", str(model_dir), "--out", str(dest), "--backend", BACKEND,
                       "--device", a.device, "--precision", a.precision, "--max-batch", str(a.batch),
-                      "--max-seq-len", str(a.seq), "--pooling", "last", "--no-verify",
-                      *(["--target-sm", "90"] if a.device == "cuda" else []))
+                      "--max-seq-len", str(a.seq), "--pooling", "last", "--no-verify", "--compile-mode", mode,
+                      *(["--target-sm", "90"] if a.device == "cuda" else []),
+                      timeout=max(60, a.deadline_s - (time.monotonic() - t_start)))
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-2000:])
-        info = json.loads((engine / "engine.json").read_text())
-        keep = ("target_sm", "gpu_name", "driver", "torch", "cuda", "compile_seconds", "engine_sha256")
-        manifest = json.loads((engine / "engine" / "compile_cache.json").read_text())
-        return {"wall_s": secs, **{k: info[k] for k in keep}, "precompile": manifest.get("precompile")}
-    section("compile", compile_step, 60)
-    if "error" in res.get("compile", {"error": 1}):
+        info = json.loads((dest / "engine.json").read_text())
+        keep = ("target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256")
+        manifest = json.loads((dest / "engine" / "compile_cache.json").read_text())
+        return {"wall_s": secs, **{k: info[k] for k in keep}, "form": manifest.get("form"),
+                "artifact": manifest.get("artifact")}
+
+    engines = {}
+    for i, mode in enumerate(a.compile_modes.split(",")):
+        dest = work / f"engine-{mode}"
+        section(f"compile[{mode}]", lambda mode=mode, dest=dest: compile_step(mode, dest), 60 if i == 0 else 150)
+        if "error" in res.get(f"compile[{mode}]", {"error": 1}):
+            continue
+        engines[mode] = dest
+        section(f"engine[{mode}]", lambda dest=dest: child(dest, str(a.batch), str(a.seq)), 45)
+    if not engines:
         save()
         return 1
-    section("engine_fresh_process", lambda: child(engine, str(a.batch), str(a.seq)), 60)
-    section("cold_start_2nd_process", lambda: child(engine), 30)
-
+    engine = next(iter(engines.values()))
+    if a.jit:
+        section("jit", lambda: jit(model_dir, a), 150)
     def accuracy():
         tiny = work / "tiny"
         from builder.runtime.tiny_qwen3 import make_tiny_qwen3
@@ -300,8 +342,8 @@ def main(argv=None) -> int:
                          "compile_wall_s": secs})
         rows.append({"precision": "fp8", "error": "not offered: torch-compile-cache has no fp8 path"})
         return rows
-    section("accuracy_tiny_qwen3", accuracy, 120)
-    section("guard", lambda: guard_cases(engine, work), 20)
+    section("guard", lambda: guard_cases(engine, work), 30)
+    section("accuracy_tiny_qwen3", accuracy, 90)
     section("server", lambda: server_bench(engine, a), 60)
 
     res["total_s"] = round(time.monotonic() - t_start, 1)
@@ -311,21 +353,24 @@ def main(argv=None) -> int:
 
 
 def print_table(res: dict) -> None:
-    e, c, f = res.get("eager", {}), res.get("compile", {}), res.get("engine_fresh_process", {})
+    e = res.get("eager", {})
     rows = [("eager tokens/s (batch x seq)", e.get("eager_tok_s")),
-            ("engine tokens/s (batch x seq)", f.get("engine_tok_s")),
-            ("eager latency 1x32 ms", e.get("eager_latency_1x32_ms")),
-            ("engine latency 1x32 ms", f.get("engine_latency_1x32_ms")),
-            ("engine mixed 8..seq tokens/s", f.get("mixed_tok_s")),
-            ("compile step (cold, compiles at start) s", c.get("wall_s")),
-            ("fresh process -> first embedding s", f.get("first_embedding_s")),
-            ("  of which import torch s", f.get("import_torch_s")),
-            ("  load path (precompiled / cache)", f.get("load_path")),
-            ("2nd fresh process -> first embedding s", res.get("cold_start_2nd_process", {}).get("first_embedding_s")),
-            ("server tokens/s", res.get("server", {}).get("tok_s")),
-            ("server p50 / p99 ms", (res.get("server", {}).get("p50_ms"), res.get("server", {}).get("p99_ms")))]
+            ("eager latency 1x32 ms", e.get("eager_latency_1x32_ms"))]
+    for mode in res["args"]["compile_modes"].split(","):
+        c, f = res.get(f"compile[{mode}]", {}), res.get(f"engine[{mode}]", {})
+        rows += [(f"[{mode}] compile step s (form)", (c.get("wall_s"), c.get("form"))),
+                 (f"[{mode}] engine tokens/s (batch x seq)", f.get("engine_tok_s")),
+                 (f"[{mode}] engine latency 1x32 ms", f.get("engine_latency_1x32_ms")),
+                 (f"[{mode}] engine mixed 8..seq tokens/s", f.get("mixed_tok_s")),
+                 (f"[{mode}] fresh process -> first embedding s", f.get("first_embedding_s")),
+                 (f"[{mode}]   of which import torch s", f.get("import_torch_s")),
+                 (f"[{mode}]   load path", f.get("load_path"))]
+    j = res.get("jit", {})
+    rows += [("torch.compile JIT tokens/s, warm-up s", (j.get("jit_tok_s"), j.get("warmup_s"))),
+             ("server tokens/s", res.get("server", {}).get("tok_s")),
+             ("server p50 / p99 ms", (res.get("server", {}).get("p50_ms"), res.get("server", {}).get("p99_ms")))]
     for k, v in rows:
-        print(f"{k:45s} {v}")
+        print(f"{k:48s} {v}")
     for g in res.get("guard", []) if isinstance(res.get("guard"), list) else []:
         print(f"guard {g['case']:12s} exit {g['exit']}: {g['message']}")
     for r in res.get("accuracy_tiny_qwen3", []) if isinstance(res.get("accuracy_tiny_qwen3"), list) else []:

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target-sm", default=None, help="expected GPU arch, e.g. 90 (must match the GPU)")
     c.add_argument("--image-info", default=None, help="JSON text or file: repository, tag, tag_template, tags_by_sm")
     c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
+    c.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
+                   help="Inductor mode (--backend torch-compile-cache): autotuning runs once, here")
     c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")
@@ -97,7 +99,7 @@ def cmd_compile(a) -> dict:
         raise UsageError(f"--model {model}: not a directory")
     params = EngineParams(backend=a.backend, device=a.device, precision=a.precision, max_batch=a.max_batch,
                           max_seq_len=a.max_seq_len, pooling=a.pooling, normalize=a.normalize,
-                          instruction=a.instruction, model_dir=str(model.resolve()),
+                          instruction=a.instruction, model_dir=str(model.resolve()), compile_mode=a.compile_mode,
                           model_name=a.model_name or (image or {}).get("repository") or model.resolve().name,
                           **{k: getattr(a, k) for k in vars(a) if k.startswith("trt_")})
     return compile_engine(model, a.out, params, target_sm=a.target_sm, image=image,

@@ -11,6 +11,8 @@ PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 DEVICES = ("cpu", "cuda")
+# Inductor modes for the torch-compile-cache backend (autotuning happens once, at image build).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
 SEQ_BUCKET = 8
 
@@ -28,6 +30,7 @@ class EngineParams:
     # Where the weights live, so an opted-in host can recompile (images keep /opt/mopt/model).
     model_dir: str | None = None
     model_name: str | None = None
+    compile_mode: str = "default"
     shape_policy: str = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
     # TensorRT optimisation profile and builder options (recipe engine.tensorrt; ignored elsewhere).
     # opt values of 0 mean "max_batch" / "max_seq_len".
@@ -51,6 +54,8 @@ class EngineParams:
         if self.precision not in FLOAT_PRECISIONS and self.backend != "tensorrt":
             raise UsageError(f"--precision {self.precision} is a TensorRT precision; {self.backend} takes "
                              f"{', '.join(FLOAT_PRECISIONS)}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise UsageError(f"--compile-mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.trt_hardware_compatibility not in HARDWARE_COMPATIBILITY:
             raise UsageError(f"--trt-hardware-compatibility must be one of {HARDWARE_COMPATIBILITY}, "
                              f"got {self.trt_hardware_compatibility!r}")

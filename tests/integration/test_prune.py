@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from builder.build import KEY_LABEL
-
 from tests.integration.conftest import mopt_cli
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
-"""CPU coverage of the code paths the H200 run used: the torch-compile-cache backend (compile,
-guard over its many files, load from a read-only-style copy, batch-1 padding), and
-benchmarks/gpu_bench.py's arguments and model configuration."""
+"""CPU coverage of the code paths the H200 run used: the torch-compile-cache backend in both its forms
+(the standalone Inductor artifact, loaded without tracing; the cache form it falls back to), the
+guard over their files, batch-1 padding, and benchmarks/gpu_bench.py's arguments and model shape."""
 from __future__ import annotations
 
 import importlib.util
@@ -32,49 +32,100 @@ def _bench():
     return mod
 
 
-@pytest.fixture(scope="module")
-def cache_engine(tmp_path_factory):
+def _compile(tmp_path_factory, name: str, **env):
+    import os
+
     tiny = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-    out = tmp_path_factory.mktemp("cc") / "out"
+    out = tmp_path_factory.mktemp(name) / "out"
     params = EngineParams(backend="torch-compile-cache", max_batch=4, max_seq_len=32, pooling="last",
                           model_dir=str(tiny))
-    summary = compile_engine(tiny, out, params, reference_texts=TEXTS)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        summary = compile_engine(tiny, out, params, reference_texts=TEXTS)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return out, summary
 
 
-def test_compile_cache_engine_matches_reference_and_ships_its_caches(cache_engine, tmp_path, monkeypatch):
-    out, summary = cache_engine
-    assert summary["engine_min_cosine"] >= 0.999
-    data = fingerprint.read(out)
-    files = data["engine_files"]
-    assert data["artifact"] == "compile_cache.json" and data["engine_sha256"] == files["compile_cache.json"]
-    assert "weights/model.safetensors" in files
-    assert any(f.startswith("inductor-cache/") for f in files)  # the compiled caches travel
-    manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
-    assert manifest["warmup"] and set(manifest["files"]) <= set(files)
-    # A second process-equivalent load: caches copied to a fresh writable dir, batch 1 and > 1 agree.
-    monkeypatch.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
+@pytest.fixture(scope="module")
+def artifact_engine(tmp_path_factory):
+    return _compile(tmp_path_factory, "artifact")
+
+
+@pytest.fixture(scope="module")
+def cache_engine(tmp_path_factory):
+    return _compile(tmp_path_factory, "cache", MOPT_INDUCTOR_ARTIFACT="0")
+
+
+def _check_embeddings(out: Path) -> None:
     eng = Engine.open(out)
-    assert (tmp_path / "rt" / "cache").is_dir()
-    one = [eng.embed_texts([t])[0] for t in TEXTS]
+    one = [eng.embed_texts([t])[0] for t in TEXTS]  # batch 1 (padded to 2) and batch 3 agree
     many = eng.embed_texts(TEXTS)
     assert min(cosine(a, b) for a, b in zip(one, many, strict=True)) > 0.9999
     ref = json.loads((out / "reference.json").read_text())["embeddings"]
     assert min(cosine(a, b) for a, b in zip(many, ref, strict=True)) > 0.999
-    # torch with precompile (aot_compile, not in 2.11): the traced graph ships and loads without tracing.
+
+
+def test_artifact_engine_loads_without_tracing_and_matches_reference(artifact_engine, tmp_path, monkeypatch):
     import torch
 
+    out, summary = artifact_engine
+    assert summary["engine_min_cosine"] >= 0.999
+    data = fingerprint.read(out)
+    files = data["engine_files"]
+    assert data["artifact"] == "compile_cache.json" and data["engine_sha256"] == files["compile_cache.json"]
+    assert {"weights/model.safetensors", "inductor-artifact.bin", "graph.json"} <= set(files)
+    assert not any(f.startswith("inductor-cache/") for f in files)  # the artifact carries what it needs
+    manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
+    assert manifest["form"] == "artifact" and manifest["artifact"]["check_cosine"] >= 0.99
+    monkeypatch.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
+    # Dynamo must not run at all on this path: make any attempt to trace fail loudly.
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile called on the artifact path"))
+    _check_embeddings(out)
+    assert get_backend("torch-compile-cache").LAST_LOAD_PATH == "artifact"
+
+
+def test_artifact_from_another_torch_falls_back_to_jit(artifact_engine, tmp_path, monkeypatch):
+    import shutil
+
+    out, _ = artifact_engine
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    blob = copy / "engine" / "inductor-artifact.bin"
+    blob.write_bytes(blob.read_bytes()[:64])  # unreadable as this torch's artifact
     mod = get_backend("torch-compile-cache")
-    if hasattr(torch.compile(lambda x: x), "aot_compile"):
-        assert "precompiled.bin" in files and mod.LAST_LOAD_PATH == "precompiled"
-    else:
-        assert "error" in manifest["precompile"] and mod.LAST_LOAD_PATH == "cache"
+    with monkeypatch.context() as m:
+        m.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
+        run = mod.load(copy / "engine", EngineParams.from_dict(fingerprint.read(out)["params"]))
+    assert mod.LAST_LOAD_PATH == "jit"
+    import torch
+
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    assert run(ids, torch.ones_like(ids)).shape[0] == 2
 
 
-def test_guard_covers_every_cache_file(cache_engine):
-    out, _ = cache_engine
-    cached = sorted(f for f in fingerprint.read(out)["engine_files"] if f.startswith("inductor-cache/"))
-    victim = out / "engine" / cached[0]
+def test_cache_form_ships_the_caches_and_matches_reference(cache_engine, tmp_path, monkeypatch):
+    out, summary = cache_engine
+    assert summary["engine_min_cosine"] >= 0.999
+    files = fingerprint.read(out)["engine_files"]
+    assert "inductor-artifact.bin" not in files and any(f.startswith("inductor-cache/") for f in files)
+    manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
+    assert manifest["form"] == "cache" and manifest["warmup"]
+    monkeypatch.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
+    _check_embeddings(out)
+    assert (tmp_path / "rt" / "cache").is_dir()
+    assert get_backend("torch-compile-cache").LAST_LOAD_PATH == "cache"
+
+
+@pytest.mark.parametrize("which", ["artifact-file", "cache-file"])
+def test_guard_covers_every_engine_file(which, artifact_engine, cache_engine):
+    out, _ = artifact_engine if which == "artifact-file" else cache_engine
+    files = sorted(fingerprint.read(out)["engine_files"])
+    name = "inductor-artifact.bin" if which == "artifact-file" else next(f for f in files
+                                                                         if f.startswith("inductor-cache/"))
+    victim = out / "engine" / name
     original = victim.read_bytes()
     try:
         victim.write_bytes(original + b"#")

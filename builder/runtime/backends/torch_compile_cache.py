@@ -1,22 +1,29 @@
-"""torch.compile engine whose Inductor/Triton caches are built at image-build time (CPU and CUDA).
+"""Inductor-compiled engine made at image-build time, for CUDA (and CPU): no tracing, no codegen,
+no autotuning when the image starts.
 
-Why: CUDA AOTInductor packages (.pt2) segfault on load with torch 2.11.0+cu130 on the H200
-machine (inside AOTIModelPackageLoader, even for a 3-layer MLP without constants), so the CUDA
-engine is shipped as the artifacts torch.compile itself reuses: the model weights in the engine
-precision, plus the FX-graph / Triton kernel / autotune caches written while the compile step
-warmed every shape class the loader can send. At start the loader copies the caches to a
-writable dir, points TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR at it and replays the warm-up:
-Dynamo traces again, but Inductor codegen, Triton compiles and autotuning are cache hits.
+Why not the AOTInductor .pt2 (torch-aot): CUDA .pt2 packages segfault on load with torch 2.11.0+cu130
+on the H200 machine (inside AOTIModelPackageLoader, even for a 3-layer MLP without constants).
 
-Precompiled graph (torch >= 2.11, `torch.compile(fn, fullgraph=True).aot_compile(...)`): the compile
-step also saves Dynamo's traced bytecode + the Inductor graph as precompiled.bin (guards kept:
-tensor metadata, dynamic-shape ranges, global state; torch.compiler.keep_portable_guards_unsafe).
-The loader deserialises it with torch.compiler.load_compiled_function, so a fresh process does not
-trace; if saving or loading it fails, the loader falls back to torch.compile over the caches.
+The compiled form (compile step, in the exact runtime image, on the target GPU):
+1. torch.export of the embedding module with dynamic batch and sequence dims (the graph torch-aot
+   exports too), so one graph serves every batch 1..max_batch and length 2..max_seq_len;
+2. torch._inductor.standalone_compile of that graph in the recipe's compile mode (default, or
+   max-autotune-no-cudagraphs: Triton GEMM templates autotuned here, once), saved as one file with
+   the generated code, the compiled Triton kernels and the autotune choices (inductor-artifact.bin);
+3. graph.json: the graph's inputs in order (parameters and buffers by name, then the user inputs).
+At start the loader builds the module from weights/ (the graph's parameters come from it), loads
+the artifact into a writable cache dir (MOPT_COMPILE_CACHE_DIR or a temp dir) and calls it with the
+flat inputs: Dynamo never runs. The artifact is bound to the exact torch build (torch checks its own
+source hash); if it does not load, the loader falls back to torch.compile at first call (slow but
+correct) and says so.
 
-engine/ layout: weights/ (config.json + model.safetensors), inductor-cache/**, precompiled.bin
-(when the precompile worked), compile_cache.json.
-The guard hashes every file; engine_sha256 is that of compile_cache.json, which lists them too.
+If the artifact cannot be made (an older torch, an export failure), the compile step ships the
+previous form instead: the Inductor/Triton caches written while torch.compile warmed the shapes
+(inductor-cache/), which remove codegen and autotuning but not Dynamo's tracing at start.
+
+engine/ layout: weights/ (config.json + model.safetensors), graph.json + graph-constants.safetensors
++ inductor-artifact.bin (or inductor-cache/**), compile_cache.json (the manifest). The guard hashes
+every file; engine_sha256 is that of compile_cache.json, which lists them too.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor
 
 from ..params import EngineParams
 from ..pooling import EmbeddingModule, load_body
@@ -41,9 +49,11 @@ VERSION_IS_TORCH = True
 DTYPES = torch_aot.DTYPES
 ENV_RUNTIME_CACHE = "MOPT_COMPILE_CACHE_DIR"  # where the loader puts its writable copy
 ENV_WARM_AT_LOAD = "MOPT_COMPILE_CACHE_WARM"  # 1: replay the warm-up shapes inside load()
-ENV_PRECOMPILE = "MOPT_PRECOMPILE"  # 0: neither write nor load precompiled.bin
-PRECOMPILED = "precompiled.bin"
-LAST_LOAD_PATH = None  # "precompiled" or "cache": which path the last load() took (benchmarks read it)
+ENV_ARTIFACT = "MOPT_INDUCTOR_ARTIFACT"  # 0: neither write nor load the artifact (the cache form)
+INDUCTOR_ARTIFACT = "inductor-artifact.bin"
+GRAPH_FILE = "graph.json"
+GRAPH_CONSTANTS = "graph-constants.safetensors"
+LAST_LOAD_PATH = None  # "artifact", "cache" or "jit": which path the last load() took (benchmarks read it)
 reference = torch_aot.reference
 log = logging.getLogger(__name__)
 
@@ -59,16 +69,12 @@ def warmup_shapes(params: EngineParams) -> list[tuple[int, int]]:
 
 
 def _call(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Run the compiled module on any shape without a recompile: Dynamo specialises size-1 dims,
-    so a single row is run as two identical rows and the first result kept."""
+    """Run on any shape: size-1 dims get specialised by tracing, so a single row is run as two
+    identical rows and the first result kept."""
     n = input_ids.shape[0]
     if n == 1:
         input_ids, attention_mask = input_ids.expand(2, -1), attention_mask.expand(2, -1)
-    input_ids, attention_mask = input_ids.contiguous(), attention_mask.contiguous()
-    for t in (input_ids, attention_mask):
-        torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(t, 1)
-    return fn(input_ids, attention_mask)[:n]
+    return fn(input_ids.contiguous(), attention_mask.contiguous())[:n]
 
 
 def _point_caches(cache_dir: Path) -> None:
@@ -86,50 +92,101 @@ def _compiled(module: EmbeddingModule):
     return torch.compile(module, fullgraph=False)
 
 
-def _forward(module, input_ids, attention_mask):
-    """Module passed as an argument, so the saved graph holds no reference to this process's module."""
-    return module(input_ids, attention_mask)
-
-
-def _guard_filter():
-    keep = getattr(torch.compiler, "keep_portable_guards_unsafe", None)
-    if keep is not None:
-        return keep
-    return lambda entries: [e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
-                            or (e.guard_type == "TENSOR_MATCH" and not e.is_global) for e in entries]
-
-
-def precompile(module: EmbeddingModule, params: EngineParams, path: Path) -> dict:
-    """Save Dynamo + Inductor output for every shape (both dims dynamic) to path; needs Inductor caches on."""
-    b, s = warmup_shapes(params)[0]
-    ids, mask = torch_aot.example_inputs(b, s, params.device, params.pooling == "last")
-    for t in (ids, mask):
+def _call_dynamic(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """torch.compile path: mark both dims dynamic so one trace serves every shape."""
+    for t in (input_ids, attention_mask):
         torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(t, 1)
+    return fn(input_ids, attention_mask)
+
+
+def _inductor_options(mode: str) -> dict:
+    """Inductor config for a compile mode, without CUDA graphs (the artifact is a plain callable)."""
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
+    patches.pop("triton.cudagraphs", None)
+    return {"config_patches": patches}
+
+
+def _graph_inputs(exported) -> list[dict]:
+    """The lifted graph's placeholders in order: parameters/buffers by FQN, constants by name, user inputs."""
+    return [{"kind": spec.kind.name, "target": spec.target, "name": spec.arg.name}
+            for spec in exported.graph_signature.input_specs]
+
+
+def _flat_inputs(specs: list[dict], module: EmbeddingModule, constants: dict[str, torch.Tensor]):
+    """A builder of the artifact's argument list: module tensors are looked up once, inputs per call."""
+    named = dict(module.named_parameters())
+    named.update(module.named_buffers())
+    fixed = []
+    for spec in specs:
+        kind, target = spec["kind"], spec["target"]
+        if kind in ("PARAMETER", "BUFFER"):
+            fixed.append(named[target])
+        elif kind == "CONSTANT_TENSOR":
+            fixed.append(constants[target])
+        elif kind == "USER_INPUT":
+            fixed.append(spec["name"])  # filled per call
+        else:
+            raise RuntimeError(f"graph input kind {kind} ({spec['name']}) is not supported by the artifact loader")
+    slots = {i: name for i, name in enumerate(fixed) if isinstance(name, str)}
+    if sorted(slots.values()) != ["attention_mask", "input_ids"]:
+        raise RuntimeError(f"unexpected user inputs {sorted(slots.values())} in the exported graph")
+
+    def build(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list:
+        args = list(fixed)
+        for i, name in slots.items():
+            args[i] = input_ids if name == "input_ids" else attention_mask
+        return args
+    return build
+
+
+def _artifact_runner(artifact, build):
+    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return artifact(*build(input_ids, attention_mask))[0]
+    return run
+
+
+def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) -> dict:
+    """Export -> standalone_compile -> inductor-artifact.bin + graph.json (+ constants); checks it loads."""
+    from safetensors.torch import save_file
+    from torch._inductor.standalone_compile import CompiledArtifact
+
+    if params.max_batch < 2:
+        raise RuntimeError("max_batch 1: the artifact's graph needs a dynamic batch dim (the loader pads 1 row to 2)")
+    # The example's sizes are the hints autotuning tunes GEMMs for: the largest batch, the one that
+    # matters for throughput. Both dims stay dynamic (1..max_batch, 2..max_seq_len) in the graph.
+    example = torch_aot.example_inputs(params.max_batch, params.max_seq_len, params.device,
+                                       params.pooling == "last")
     t0 = time.monotonic()
     with torch.no_grad():
-        fn = torch.compile(_forward, fullgraph=True, options={"guard_filter_fn": _guard_filter()})
-        compiled = fn.aot_compile(((module, ids, mask), {}))
-        compiled.save_compiled_function(str(path))
-    return {"file": path.name, "seconds": round(time.monotonic() - t0, 3), "bytes": path.stat().st_size}
-
-
-def load_precompiled(path: Path, module: EmbeddingModule):
-    with open(path, "rb") as f:
-        compiled = torch.compiler.load_compiled_function(f)
-    fallback = []
-
-    def run(input_ids, attention_mask):
-        if not fallback:
-            try:
-                return compiled(module, input_ids, attention_mask)
-            except RuntimeError as exc:  # a shape outside the saved guards (e.g. length 1): trace once
-                if "GuardManager check failed" not in str(exc):
-                    raise
-                log.warning("precompiled graph refused %s; compiling with torch.compile", tuple(input_ids.shape))
-                fallback.append(_compiled(module))
-        return fallback[0](input_ids, attention_mask)
-    return run
+        exported, dims = torch_aot._export(module, example, params)
+    t_export = time.monotonic() - t0
+    specs = _graph_inputs(exported)
+    constants = {spec["target"]: exported.constants[spec["target"]].detach().contiguous()
+                 for spec in specs if spec["kind"] == "CONSTANT_TENSOR"}
+    gm = exported.graph_module
+    # The graph's own fake inputs carry the symbolic batch/sequence sizes; real tensors would specialise.
+    fakes = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+    t1 = time.monotonic()
+    with torch.no_grad():
+        compiled = torch._inductor.standalone_compile(gm, fakes, dynamic_shapes="from_graph",
+                                                      options=_inductor_options(params.compile_mode))
+    t_compile = time.monotonic() - t1
+    compiled.save(path=str(out_dir / INDUCTOR_ARTIFACT), format="binary")
+    (out_dir / GRAPH_FILE).write_text(json.dumps({"inputs": specs, "export_dims": dims}, indent=1) + "\n")
+    if constants:
+        save_file(constants, str(out_dir / GRAPH_CONSTANTS))
+    # The saved file, not the in-memory function, must load and agree with eager on a padded batch.
+    loaded = CompiledArtifact.load(path=str(out_dir / INDUCTOR_ARTIFACT), format="binary")
+    run = _artifact_runner(loaded, _flat_inputs(specs, module, constants))
+    with torch.no_grad():
+        got, want = run(*example).float(), module(*example).float()
+    cos = torch.nn.functional.cosine_similarity(got, want).min().item()
+    if not cos >= 0.99:
+        raise RuntimeError(f"the loaded artifact disagrees with eager (cosine {cos:.4f})")
+    return {"file": INDUCTOR_ARTIFACT, "bytes": (out_dir / INDUCTOR_ARTIFACT).stat().st_size,
+            "export_dims": dims, "export_seconds": round(t_export, 3), "compile_seconds": round(t_compile, 3),
+            "check_cosine": round(cos, 6), "mode": params.compile_mode}
 
 
 def _warm(fn, params: EngineParams) -> list[dict]:
@@ -150,24 +207,32 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     module = torch_aot.build_module(model_dir, params, dtype, params.device)
     module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True)
     cache = out_dir / CACHE_SUBDIR
-    _point_caches(cache)
+    _point_caches(cache)  # Inductor compiles through its caches; only the cache form ships them
     torch._dynamo.reset()
-    pre: dict = {"skipped": "MOPT_PRECOMPILE=0"}
-    if os.environ.get(ENV_PRECOMPILE, "1") != "0":
+    artifact: dict = {"skipped": f"{ENV_ARTIFACT}=0"}
+    warm: list[dict] = []
+    if os.environ.get(ENV_ARTIFACT, "1") != "0":
         try:
-            pre = precompile(module, params, out_dir / PRECOMPILED)
-            _warm(load_precompiled(out_dir / PRECOMPILED, module), params)  # the saved file must load and run
-        except Exception as exc:  # the cache path below still gives an engine
-            (out_dir / PRECOMPILED).unlink(missing_ok=True)
-            pre = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
-            log.warning("precompile failed, shipping the cache path only: %s", pre["error"])
+            artifact = make_artifact(module, params, out_dir)
+        except Exception as exc:  # the cache form below still gives an engine
+            for name in (INDUCTOR_ARTIFACT, GRAPH_FILE, GRAPH_CONSTANTS):
+                (out_dir / name).unlink(missing_ok=True)
+            artifact = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+            log.warning("inductor artifact failed, shipping the cache form: %s", artifact["error"])
+    if (out_dir / INDUCTOR_ARTIFACT).is_file():
+        shutil.rmtree(cache, ignore_errors=True)
+        form = "artifact"
+    else:
         torch._dynamo.reset()
-    warm = _warm(_compiled(module), params)
+        with torch._inductor.config.patch(_inductor_options(params.compile_mode)["config_patches"]):
+            warm = _warm(lambda ids, mask: _call_dynamic(_compiled(module), ids, mask), params)
+        form = "cache"
     files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
-    manifest = {"torch": torch.__version__, "warmup": warm, "files": files, "precompile": pre,
-                "mode": "torch.compile default mode, batch and sequence dims dynamic (mark_dynamic)"}
+    manifest = {"torch": torch.__version__, "form": form, "artifact": artifact, "warmup": warm, "files": files,
+                "mode": params.compile_mode,
+                "shapes": "batch and sequence dims dynamic (one graph; the loader pads batch 1 to 2)"}
     (out_dir / ARTIFACT).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return {"artifact": ARTIFACT, "export_dims": "torch.compile dynamic",
+    return {"artifact": ARTIFACT, "export_dims": artifact.get("export_dims", "torch.compile dynamic"),
             "embedding_dim": int(module.body.config.hidden_size)}
 
 
@@ -175,8 +240,23 @@ def runtime_cache_dir(engine_dir: Path) -> Path:
     base = os.environ.get(ENV_RUNTIME_CACHE) or tempfile.mkdtemp(prefix="mopt-inductor-")
     dest = Path(base) / "cache"
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(engine_dir / CACHE_SUBDIR, dest)  # inductor writes into its cache dir
+    if (engine_dir / CACHE_SUBDIR).is_dir():
+        shutil.copytree(engine_dir / CACHE_SUBDIR, dest)  # inductor writes into its cache dir
+    dest.mkdir(parents=True, exist_ok=True)
     return dest
+
+
+def _load_artifact(engine_dir: Path, module: EmbeddingModule):
+    from safetensors.torch import load_file
+    from torch._inductor.standalone_compile import CompiledArtifact
+
+    specs = json.loads((engine_dir / GRAPH_FILE).read_text())["inputs"]
+    constants = {}
+    if (engine_dir / GRAPH_CONSTANTS).is_file():
+        device = next(module.parameters()).device
+        constants = {k: v.to(device) for k, v in load_file(str(engine_dir / GRAPH_CONSTANTS)).items()}
+    artifact = CompiledArtifact.load(path=str(engine_dir / INDUCTOR_ARTIFACT), format="binary")
+    return _artifact_runner(artifact, _flat_inputs(specs, module, constants))
 
 
 def load(engine_dir: str | Path, params: EngineParams):
@@ -185,19 +265,21 @@ def load(engine_dir: str | Path, params: EngineParams):
     body = load_body(str(engine_dir / WEIGHTS_SUBDIR), DTYPES[params.precision], params.device)
     if hasattr(body.config, "use_cache"):
         body.config.use_cache = False
-    module = EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pooling == "last")
+    module = EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pooling == "last").eval()
     global LAST_LOAD_PATH
-    fn, LAST_LOAD_PATH = None, "cache"
-    if (engine_dir / PRECOMPILED).is_file() and os.environ.get(ENV_PRECOMPILE, "1") != "0":
+    fn = None
+    if (engine_dir / INDUCTOR_ARTIFACT).is_file() and os.environ.get(ENV_ARTIFACT, "1") != "0":
         try:
-            fn = load_precompiled(engine_dir / PRECOMPILED, module)
-            LAST_LOAD_PATH = "precompiled"
-        except Exception as exc:  # another torch build, a guard or pickle error: trace again instead
-            log.warning("precompiled graph did not load (%s: %s); using the cache path", type(exc).__name__, exc)
+            fn, LAST_LOAD_PATH = _load_artifact(engine_dir, module), "artifact"
+        except Exception as exc:  # another torch build (torch checks its source hash) or a corrupt file
+            log.warning("the Inductor artifact did not load (%s: %s); compiling with torch.compile at first call "
+                        "(minutes on a GPU)", type(exc).__name__, exc)
     if fn is None:
-        fn = _compiled(module)
+        compiled = _compiled(module)
+        fn = lambda ids, mask: _call_dynamic(compiled, ids, mask)  # noqa: E731
+        LAST_LOAD_PATH = "cache" if (engine_dir / CACHE_SUBDIR).is_dir() else "jit"
     if os.environ.get(ENV_WARM_AT_LOAD, "0") == "1":
-        _warm(fn, params)  # else the first request traces (cache hit: no codegen, no autotune)
+        _warm(fn, params)  # else the first request pays the one-time costs
     device = params.device
 
     def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
