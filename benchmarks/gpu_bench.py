@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT [--layers 28] [--deadline-s 540]
 
 Builds a Qwen3-Embedding-0.6B-architecture model (random weights, seed 0; the Hub is unreachable),
-compiles it with `python -m builder.runtime compile --backend torch-compile-cache --device cuda`,
+compiles it with `python -m builder.runtime compile --backend torch-inductor --device cuda`,
 then measures: eager vs engine throughput (64 x 512) and latency (1 x 32), a mixed-length
 workload, cold start of a fresh process (prebuilt engine) vs the compile step, accuracy (early, as
 it is cheap), the HTTP server
@@ -30,7 +30,7 @@ QWEN3_06B = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, nu
                  rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=32768)
 TINY = dict(QWEN3_06B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
-BACKEND = "torch-compile-cache"
+BACKEND = "torch-inductor"
 
 
 def parse_args(argv=None):
@@ -96,7 +96,7 @@ eng = Engine.open(sys.argv[1])
 t_open = time.monotonic() - t0
 first = eng.embed_texts(["hello world"])
 t_first = time.monotonic() - t0
-import builder.runtime.backends.torch_compile_cache as tcc
+import builder.runtime.backends.torch_inductor as tcc
 res = {"load_path": tcc.LAST_LOAD_PATH, "import_torch_s": round(t_import, 2), "first_embedding_s": round(t_first, 2),
        "beyond_import_s": round(t_first - t_import, 2), "open_s": round(t_open - t_import, 2),
        "dim": len(first[0])}
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
             cos = [cosine(x, y) for x, y in zip(got, ref["embeddings"], strict=True)]
             rows.append({"precision": prec, "cos_min": round(min(cos), 6), "cos_mean": round(sum(cos) / len(cos), 6),
                          "compile_wall_s": secs})
-        rows.append({"precision": "fp8", "error": "not offered: torch-compile-cache has no fp8 path"})
+        rows.append({"precision": "fp8", "error": "not offered: torch-inductor has no fp8 path"})
         return rows
     section("guard", lambda: guard_cases(engine, work), 30)
     section("accuracy_tiny_qwen3", accuracy, 90)

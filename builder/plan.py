@@ -21,8 +21,8 @@ from .matrix import AXES, Flavour, ImageEntry, Matrix
 _DOCKER_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 # Which resolved version is "the backend's version" in labels and engine.json.
-BACKEND_VERSION_AXIS = {"torch-aot": "torch", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm",
-                        "vllm": "vllm"}
+BACKEND_VERSION_AXIS = {"torch-aot": "torch", "torch-inductor": "torch", "tensorrt": "tensorrt",
+                        "tensorrt-llm": "tensorrt_llm", "vllm": "vllm"}
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class EngineParams:
     shapes: str
     seq_buckets: tuple[int, ...]
     tensorrt: dict
+    compile_mode: str = "default"  # torch-inductor: Inductor mode, autotuning done at build time
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
             shapes=engine.get("shapes", "dynamic"),
             seq_buckets=tuple(engine.get("seq_buckets", ())),
             tensorrt=dict(trt),
+            compile_mode=engine.get("compile_mode", "default"),
         ),
         serve_command=tuple(serve["command"]),
         port=serve["port"],

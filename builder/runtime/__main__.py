@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--image-info", default=None, help="JSON text or file: repository, tag, tag_template, tags_by_sm")
     c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
     c.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
-                   help="Inductor mode (--backend torch-compile-cache): autotuning runs once, here")
+                   help="Inductor mode (--backend torch-inductor): autotuning runs once, here")
     c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")

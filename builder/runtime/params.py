@@ -11,7 +11,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 DEVICES = ("cpu", "cuda")
-# Inductor modes for the torch-compile-cache backend (autotuning happens once, at image build).
+# Inductor modes for the torch-inductor backend (autotuning happens once, at image build).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
 SEQ_BUCKET = 8

@@ -1,4 +1,4 @@
-"""CPU coverage of the code paths the H200 run used: the torch-compile-cache backend in both its forms
+"""CPU coverage of the code paths the H200 run used: the torch-inductor backend in both its forms
 (the standalone Inductor artifact, loaded without tracing; the cache form it falls back to), the
 guard over their files, batch-1 padding, and benchmarks/gpu_bench.py's arguments and model shape."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _compile(tmp_path_factory, name: str, **env):
 
     tiny = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "model", seed=0)
     out = tmp_path_factory.mktemp(name) / "out"
-    params = EngineParams(backend="torch-compile-cache", max_batch=4, max_seq_len=32, pooling="last",
+    params = EngineParams(backend="torch-inductor", max_batch=4, max_seq_len=32, pooling="last",
                           model_dir=str(tiny))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -84,7 +84,7 @@ def test_artifact_engine_loads_without_tracing_and_matches_reference(artifact_en
     # Dynamo must not run at all on this path: make any attempt to trace fail loudly.
     monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile called on the artifact path"))
     _check_embeddings(out)
-    assert get_backend("torch-compile-cache").LAST_LOAD_PATH == "artifact"
+    assert get_backend("torch-inductor").LAST_LOAD_PATH == "artifact"
 
 
 def test_artifact_from_another_torch_falls_back_to_jit(artifact_engine, tmp_path, monkeypatch):
@@ -95,7 +95,7 @@ def test_artifact_from_another_torch_falls_back_to_jit(artifact_engine, tmp_path
     shutil.copytree(out, copy)
     blob = copy / "engine" / "inductor-artifact.bin"
     blob.write_bytes(blob.read_bytes()[:64])  # unreadable as this torch's artifact
-    mod = get_backend("torch-compile-cache")
+    mod = get_backend("torch-inductor")
     with monkeypatch.context() as m:
         m.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
         run = mod.load(copy / "engine", EngineParams.from_dict(fingerprint.read(out)["params"]))
@@ -116,7 +116,7 @@ def test_cache_form_ships_the_caches_and_matches_reference(cache_engine, tmp_pat
     monkeypatch.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
     _check_embeddings(out)
     assert (tmp_path / "rt" / "cache").is_dir()
-    assert get_backend("torch-compile-cache").LAST_LOAD_PATH == "cache"
+    assert get_backend("torch-inductor").LAST_LOAD_PATH == "cache"
 
 
 @pytest.mark.parametrize("which", ["artifact-file", "cache-file"])
@@ -139,7 +139,7 @@ def test_guard_covers_every_engine_file(which, artifact_engine, cache_engine):
 def test_single_row_is_padded_to_two_rows():
     import torch
 
-    mod = get_backend("torch-compile-cache")
+    mod = get_backend("torch-inductor")
     seen = []
 
     def fake(ids, mask):

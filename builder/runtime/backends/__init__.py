@@ -10,9 +10,9 @@ import importlib
 
 from ..errors import UsageError
 
-BACKENDS = {"torch-aot": "torch_aot", "tensorrt": "tensorrt", "tensorrt-llm": "tensorrt_llm", "vllm": "vllm_backend"}
-# CUDA engine while AOTInductor .pt2 loading segfaults there (torch 2.11+cu130 on the H200)
-BACKENDS["torch-compile-cache"] = "torch_compile_cache"
+# torch-inductor is the CUDA engine form that loads on the H200 (AOTInductor .pt2 segfaults there).
+BACKENDS = {"torch-aot": "torch_aot", "torch-inductor": "torch_inductor", "tensorrt": "tensorrt",
+            "tensorrt-llm": "tensorrt_llm", "vllm": "vllm_backend"}
 
 
 def get_backend(name: str):

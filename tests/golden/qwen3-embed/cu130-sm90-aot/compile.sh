@@ -4,7 +4,7 @@
 # /opt/mopt/model (read-only, where the final image keeps it), this directory's inputs at /mopt/inputs and the output at /mopt/out.
 set -eu
 exec python -m mopt_runtime compile \
-  --backend torch-aot \
+  --backend torch-inductor \
   --device cuda \
   --model /opt/mopt/model \
   --out /mopt/out \
@@ -15,5 +15,6 @@ exec python -m mopt_runtime compile \
   --normalize \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
   --target-sm 90 \
+  --compile-mode default \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json
