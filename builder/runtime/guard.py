@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import fingerprint
@@ -22,21 +24,28 @@ class EngineMismatch(GuardError):
     """The engine is intact but was built for another GPU or software stack (recompilable)."""
 
 
-def _integrity(out_dir: Path, data: dict) -> None:
+def _integrity(out_dir: Path, data: dict, during: Callable[[], object] = lambda: None):
+    """Check every engine file's sha256; returns what ``during()`` returned, having run it while the
+    files were hashed (host facts need CUDA initialised, which takes as long as hashing a GB)."""
     engine_dir = out_dir / fingerprint.ENGINE_SUBDIR
     bad = []
-    for rel, want in sorted(data["engine_files"].items()):
-        path = engine_dir / rel
-        if not path.is_file():
-            bad.append(f"{rel} is missing")
-        elif fingerprint.sha256_file(path) != want:
-            bad.append(f"{rel} sha256 differs from engine.json")
+    wanted = sorted(data["engine_files"].items())
+    missing = [rel for rel, _ in wanted if not (engine_dir / rel).is_file()]
+    bad += [f"{rel} is missing" for rel in missing]
+    present = [(rel, want) for rel, want in wanted if rel not in missing]
+    # hashlib releases the GIL on large buffers: files (weights are saved in shards) hash in parallel.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(1, len(present)))) as pool:
+        got = [pool.submit(fingerprint.sha256_file, engine_dir / rel) for rel, _ in present]
+        result = during()
+        bad += [f"{rel} sha256 differs from engine.json"
+                for (rel, want), fut in zip(present, got, strict=True) if fut.result() != want]
     artifact = data.get("artifact")
     if artifact and data["engine_files"].get(artifact) != data["engine_sha256"]:
         bad.append(f"engine_sha256 in engine.json does not match the recorded sha256 of {artifact}")
     if bad:
         raise GuardError(f"engine in {engine_dir} failed its integrity check: {'; '.join(bad)}; "
                          "rebuild or re-pull the image")
+    return result
 
 
 def _sm_label(sm: str | None, name: str | None) -> str:
@@ -95,8 +104,7 @@ def check(out_dir: str | Path, facts: HostFacts | None = None) -> dict:
     """Return engine.json if the engine may be served here; raise GuardError otherwise."""
     out_dir = Path(out_dir)
     data = fingerprint.read(out_dir)
-    _integrity(out_dir, data)
-    facts = facts or host_facts()
+    facts = _integrity(out_dir, data, during=(lambda: facts) if facts else host_facts)
     diffs = _environment(data, facts)
     if diffs:
         raise EngineMismatch(f"{'; '.join(diffs)}: {fitting_tag(data.get('image'), facts)}")

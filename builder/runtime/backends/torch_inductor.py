@@ -45,6 +45,7 @@ from . import torch_aot
 ARTIFACT = "compile_cache.json"
 CACHE_SUBDIR = "inductor-cache"
 WEIGHTS_SUBDIR = "weights"
+WEIGHT_SHARD = "256MB"
 VERSION_IS_TORCH = True
 DTYPES = torch_aot.DTYPES
 ENV_RUNTIME_CACHE = "MOPT_COMPILE_CACHE_DIR"  # where the loader puts its writable copy
@@ -205,7 +206,8 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     dtype = DTYPES[params.precision]
     module = torch_aot.build_module(model_dir, params, dtype, params.device)
-    module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True)
+    # Shards, so the start-up guard hashes them in parallel (one 1.2 GB file is one thread's work).
+    module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True, max_shard_size=WEIGHT_SHARD)
     cache = out_dir / CACHE_SUBDIR
     _point_caches(cache)  # Inductor compiles through its caches; only the cache form ships them
     torch._dynamo.reset()
