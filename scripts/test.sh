@@ -11,7 +11,8 @@ export TESTCONTAINERS_RYUK_DISABLED=true
 if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 # Builds leave stage images behind whenever an input changes (GBs each): before the run, drop mopt's
 # images that neither the tests' state nor the demo's names, and keep BuildKit's cache within 10 GiB.
-.venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib 10 | tail -n 3
+.venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib 10 | tail -n 3 \
+    || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
 rc=0
 .venv/bin/python -m pytest -p no:cacheprovider "$@" tests || rc=$?
 # A CI clone is thrown away after the run: give its images' disk back now, not at the next run.
