@@ -76,7 +76,8 @@ def test_artifact_engine_loads_without_tracing_and_matches_reference(artifact_en
     data = fingerprint.read(out)
     files = data["engine_files"]
     assert data["artifact"] == "compile_cache.json" and data["engine_sha256"] == files["compile_cache.json"]
-    assert {"weights/model.safetensors", "inductor-artifact.bin", "graph.json"} <= set(files)
+    assert {"weights/config.json", "inductor-artifact.bin", "graph.json", "graph-tensors-00001.safetensors"} <= set(files)
+    assert "weights/model.safetensors" not in files  # the graph tensors are the weights: not shipped twice
     assert not any(f.startswith("inductor-cache/") for f in files)  # the artifact carries what it needs
     manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
     assert manifest["form"] == "artifact" and manifest["artifact"]["check_cosine"] >= 0.99
@@ -85,6 +86,25 @@ def test_artifact_engine_loads_without_tracing_and_matches_reference(artifact_en
     monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile called on the artifact path"))
     _check_embeddings(out)
     assert get_backend("torch-inductor").LAST_LOAD_PATH == "artifact"
+
+
+def test_artifact_path_builds_no_module_and_imports_no_transformers(artifact_engine, tmp_path):
+    """The image's start-up path in a fresh process: guard, tensors to the device, artifact; a first
+    embedding without transformers (its import and from_pretrained cost seconds at start)."""
+    import subprocess
+    import sys
+
+    out, _ = artifact_engine
+    code = ("import sys, json; from builder.runtime.engine import Engine; "
+            f"e = Engine.open({str(out)!r}); v = e.embed_texts(['hello world'])[0]; "
+            "import builder.runtime.backends.torch_inductor as t; "
+            "print(json.dumps({'dim': len(v), 'path': t.LAST_LOAD_PATH, "
+            "'transformers': 'transformers' in sys.modules}))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "MOPT_COMPILE_CACHE_DIR": str(tmp_path / "rt")})
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"dim": 64, "path": "artifact", "transformers": False}
 
 
 def test_artifact_from_another_torch_falls_back_to_jit(artifact_engine, tmp_path, monkeypatch):

@@ -11,9 +11,10 @@ The compiled form (compile step, in the exact runtime image, on the target GPU):
    max-autotune-no-cudagraphs: Triton GEMM templates autotuned here, once), saved as one file with
    the generated code, the compiled Triton kernels and the autotune choices (inductor-artifact.bin);
 3. graph.json: the graph's inputs in order (parameters and buffers by name, then the user inputs).
-At start the loader builds the module from weights/ (the graph's parameters come from it), loads
-the artifact into a writable cache dir (MOPT_COMPILE_CACHE_DIR or a temp dir) and calls it with the
-flat inputs: Dynamo never runs. The artifact is bound to the exact torch build (torch checks its own
+The graph's parameters, buffers and constants ship as safetensors shards named by graph input. At
+start the loader reads them straight to the device, loads the artifact into a writable cache dir
+(MOPT_COMPILE_CACHE_DIR or a temp dir) and calls it with the flat inputs: no nn.Module is built,
+transformers is not imported, Dynamo never runs. The artifact is bound to the exact torch build (torch checks its own
 source hash); if it does not load, the loader falls back to torch.compile at first call (slow but
 correct) and says so.
 
@@ -21,8 +22,9 @@ If the artifact cannot be made (an older torch, an export failure), the compile 
 previous form instead: the Inductor/Triton caches written while torch.compile warmed the shapes
 (inductor-cache/), which remove codegen and autotuning but not Dynamo's tracing at start.
 
-engine/ layout: weights/ (config.json + model.safetensors), graph.json + graph-constants.safetensors
-+ inductor-artifact.bin (or inductor-cache/**), compile_cache.json (the manifest). The guard hashes
+engine/ layout: artifact form: weights/config.json, graph.json, graph-tensors-*.safetensors (256 MB
+shards, so the guard hashes them in parallel), inductor-artifact.bin; cache form: weights/ (config
++ safetensors), inductor-cache/**; both: compile_cache.json (the manifest). The guard hashes
 every file; engine_sha256 is that of compile_cache.json, which lists them too.
 """
 from __future__ import annotations
@@ -53,7 +55,7 @@ ENV_WARM_AT_LOAD = "MOPT_COMPILE_CACHE_WARM"  # 1: replay the warm-up shapes ins
 ENV_ARTIFACT = "MOPT_INDUCTOR_ARTIFACT"  # 0: neither write nor load the artifact (the cache form)
 INDUCTOR_ARTIFACT = "inductor-artifact.bin"
 GRAPH_FILE = "graph.json"
-GRAPH_CONSTANTS = "graph-constants.safetensors"
+GRAPH_TENSORS = "graph-tensors-{:05d}.safetensors"  # parameters, buffers and constants, by graph name
 LAST_LOAD_PATH = None  # "artifact", "cache" or "jit": which path the last load() took (benchmarks read it)
 reference = torch_aot.reference
 log = logging.getLogger(__name__)
@@ -114,17 +116,13 @@ def _graph_inputs(exported) -> list[dict]:
             for spec in exported.graph_signature.input_specs]
 
 
-def _flat_inputs(specs: list[dict], module: EmbeddingModule, constants: dict[str, torch.Tensor]):
-    """A builder of the artifact's argument list: module tensors are looked up once, inputs per call."""
-    named = dict(module.named_parameters())
-    named.update(module.named_buffers())
-    fixed = []
+def _flat_inputs(specs: list[dict], tensors: dict[str, torch.Tensor]):
+    """A builder of the artifact's argument list: graph tensors fixed once, the two inputs per call."""
+    fixed: list = []
     for spec in specs:
-        kind, target = spec["kind"], spec["target"]
-        if kind in ("PARAMETER", "BUFFER"):
-            fixed.append(named[target])
-        elif kind == "CONSTANT_TENSOR":
-            fixed.append(constants[target])
+        kind = spec["kind"]
+        if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+            fixed.append(tensors[spec["target"]])
         elif kind == "USER_INPUT":
             fixed.append(spec["name"])  # filled per call
         else:
@@ -141,6 +139,48 @@ def _flat_inputs(specs: list[dict], module: EmbeddingModule, constants: dict[str
     return build
 
 
+def _graph_tensors(exported, module: EmbeddingModule, specs: list[dict]) -> dict[str, torch.Tensor]:
+    named = dict(module.named_parameters())
+    named.update(module.named_buffers())
+    out = {}
+    for spec in specs:
+        if spec["kind"] in ("PARAMETER", "BUFFER"):
+            out[spec["target"]] = named[spec["target"]]
+        elif spec["kind"] == "CONSTANT_TENSOR":
+            out[spec["target"]] = exported.constants[spec["target"]]
+    return out
+
+
+def save_graph_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, shard_bytes: int = 256 << 20) -> list[str]:
+    """Shards of at most ~shard_bytes; tied tensors are stored once per shard (copies are cheap next to
+    the risk of safetensors refusing shared storage)."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous().clone()
+        if shards[-1] and size + t.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    names = []
+    for i, shard in enumerate(shards, start=1):
+        names.append(GRAPH_TENSORS.format(i))
+        save_file(shard, str(out_dir / names[-1]))
+    return names
+
+
+def load_graph_tensors(engine_dir: Path, files: list[str], device: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(engine_dir / name), device=device))
+    return tensors
+
+
 def _artifact_runner(artifact, build):
     def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return artifact(*build(input_ids, attention_mask))[0]
@@ -149,7 +189,6 @@ def _artifact_runner(artifact, build):
 
 def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) -> dict:
     """Export -> standalone_compile -> inductor-artifact.bin + graph.json (+ constants); checks it loads."""
-    from safetensors.torch import save_file
     from torch._inductor.standalone_compile import CompiledArtifact
 
     if params.max_batch < 2:
@@ -163,8 +202,7 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
         exported, dims = torch_aot._export(module, example, params)
     t_export = time.monotonic() - t0
     specs = _graph_inputs(exported)
-    constants = {spec["target"]: exported.constants[spec["target"]].detach().contiguous()
-                 for spec in specs if spec["kind"] == "CONSTANT_TENSOR"}
+    tensors = _graph_tensors(exported, module, specs)
     gm = exported.graph_module
     # The graph's own fake inputs carry the symbolic batch/sequence sizes; real tensors would specialise.
     fakes = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
@@ -174,12 +212,12 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
                                                       options=_inductor_options(params.compile_mode))
     t_compile = time.monotonic() - t1
     compiled.save(path=str(out_dir / INDUCTOR_ARTIFACT), format="binary")
-    (out_dir / GRAPH_FILE).write_text(json.dumps({"inputs": specs, "export_dims": dims}, indent=1) + "\n")
-    if constants:
-        save_file(constants, str(out_dir / GRAPH_CONSTANTS))
-    # The saved file, not the in-memory function, must load and agree with eager on a padded batch.
+    files = save_graph_tensors(tensors, out_dir)
+    (out_dir / GRAPH_FILE).write_text(json.dumps({"inputs": specs, "export_dims": dims, "tensor_files": files},
+                                                 indent=1) + "\n")
+    # The saved files, not the in-memory function, must load and agree with eager on a padded batch.
     loaded = CompiledArtifact.load(path=str(out_dir / INDUCTOR_ARTIFACT), format="binary")
-    run = _artifact_runner(loaded, _flat_inputs(specs, module, constants))
+    run = _artifact_runner(loaded, _flat_inputs(specs, load_graph_tensors(out_dir, files, params.device)))
     with torch.no_grad():
         got, want = run(*example).float(), module(*example).float()
     cos = torch.nn.functional.cosine_similarity(got, want).min().item()
@@ -206,8 +244,6 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     dtype = DTYPES[params.precision]
     module = torch_aot.build_module(model_dir, params, dtype, params.device)
-    # Shards, so the start-up guard hashes them in parallel (one 1.2 GB file is one thread's work).
-    module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True, max_shard_size=WEIGHT_SHARD)
     cache = out_dir / CACHE_SUBDIR
     _point_caches(cache)  # Inductor compiles through its caches; only the cache form ships them
     torch._dynamo.reset()
@@ -217,14 +253,17 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
         try:
             artifact = make_artifact(module, params, out_dir)
         except Exception as exc:  # the cache form below still gives an engine
-            for name in (INDUCTOR_ARTIFACT, GRAPH_FILE, GRAPH_CONSTANTS):
-                (out_dir / name).unlink(missing_ok=True)
+            for path in [out_dir / INDUCTOR_ARTIFACT, out_dir / GRAPH_FILE, *out_dir.glob("graph-tensors-*")]:
+                path.unlink(missing_ok=True)
             artifact = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
             log.warning("inductor artifact failed, shipping the cache form: %s", artifact["error"])
     if (out_dir / INDUCTOR_ARTIFACT).is_file():
         shutil.rmtree(cache, ignore_errors=True)
+        module.body.config.save_pretrained(out_dir / WEIGHTS_SUBDIR)  # the weights are the graph tensors
         form = "artifact"
     else:
+        # Shards, so the start-up guard hashes them in parallel (one 1.2 GB file is one thread's work).
+        module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True, max_shard_size=WEIGHT_SHARD)
         torch._dynamo.reset()
         with torch._inductor.config.patch(_inductor_options(params.compile_mode)["config_patches"]):
             warm = _warm(lambda ids, mask: _call_dynamic(_compiled(module), ids, mask), params)
@@ -248,36 +287,43 @@ def runtime_cache_dir(engine_dir: Path) -> Path:
     return dest
 
 
-def _load_artifact(engine_dir: Path, module: EmbeddingModule):
-    from safetensors.torch import load_file
-    from torch._inductor.standalone_compile import CompiledArtifact
+def _module(engine_dir: Path, params: EngineParams, tensors: dict[str, torch.Tensor] | None = None):
+    """The nn.Module, for the torch.compile paths: from weights/, or from the config + graph tensors."""
+    if tensors is None:
+        body = load_body(str(engine_dir / WEIGHTS_SUBDIR), DTYPES[params.precision], params.device)
+    else:
+        from transformers import AutoConfig, AutoModel
 
-    specs = json.loads((engine_dir / GRAPH_FILE).read_text())["inputs"]
-    constants = {}
-    if (engine_dir / GRAPH_CONSTANTS).is_file():
-        device = next(module.parameters()).device
-        constants = {k: v.to(device) for k, v in load_file(str(engine_dir / GRAPH_CONSTANTS)).items()}
-    artifact = CompiledArtifact.load(path=str(engine_dir / INDUCTOR_ARTIFACT), format="binary")
-    return _artifact_runner(artifact, _flat_inputs(specs, module, constants))
+        config = AutoConfig.from_pretrained(str(engine_dir / WEIGHTS_SUBDIR))
+        with torch.device(params.device):
+            body = AutoModel.from_config(config, dtype=DTYPES[params.precision], attn_implementation="sdpa")
+        state = {k.removeprefix("body."): v for k, v in tensors.items() if k.startswith("body.")}
+        body.load_state_dict(state, strict=False)  # non-persistent buffers are rebuilt by the constructor
+        body.eval()
+    if hasattr(body.config, "use_cache"):
+        body.config.use_cache = False
+    return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pooling == "last").eval()
 
 
 def load(engine_dir: str | Path, params: EngineParams):
+    from torch._inductor.standalone_compile import CompiledArtifact
+
     engine_dir = Path(engine_dir)
     _point_caches(runtime_cache_dir(engine_dir))
-    body = load_body(str(engine_dir / WEIGHTS_SUBDIR), DTYPES[params.precision], params.device)
-    if hasattr(body.config, "use_cache"):
-        body.config.use_cache = False
-    module = EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pooling == "last").eval()
     global LAST_LOAD_PATH
-    fn = None
-    if (engine_dir / INDUCTOR_ARTIFACT).is_file() and os.environ.get(ENV_ARTIFACT, "1") != "0":
-        try:
-            fn, LAST_LOAD_PATH = _load_artifact(engine_dir, module), "artifact"
-        except Exception as exc:  # another torch build (torch checks its source hash) or a corrupt file
-            log.warning("the Inductor artifact did not load (%s: %s); compiling with torch.compile at first call "
-                        "(minutes on a GPU)", type(exc).__name__, exc)
+    fn, tensors = None, None
+    if (engine_dir / INDUCTOR_ARTIFACT).is_file():
+        graph = json.loads((engine_dir / GRAPH_FILE).read_text())
+        tensors = load_graph_tensors(engine_dir, graph["tensor_files"], params.device)
+        if os.environ.get(ENV_ARTIFACT, "1") != "0":
+            try:
+                artifact = CompiledArtifact.load(path=str(engine_dir / INDUCTOR_ARTIFACT), format="binary")
+                fn, LAST_LOAD_PATH = _artifact_runner(artifact, _flat_inputs(graph["inputs"], tensors)), "artifact"
+            except Exception as exc:  # another torch build (torch checks its source hash) or a corrupt file
+                log.warning("the Inductor artifact did not load (%s: %s); compiling with torch.compile at first "
+                            "call (minutes on a GPU)", type(exc).__name__, exc)
     if fn is None:
-        compiled = _compiled(module)
+        compiled = _compiled(_module(engine_dir, params, tensors))
         fn = lambda ids, mask: _call_dynamic(compiled, ids, mask)  # noqa: E731
         LAST_LOAD_PATH = "cache" if (engine_dir / CACHE_SUBDIR).is_dir() else "jit"
     if os.environ.get(ENV_WARM_AT_LOAD, "0") == "1":
