@@ -188,7 +188,7 @@ def _artifact_runner(artifact, build):
 
 
 def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) -> dict:
-    """Export -> standalone_compile -> inductor-artifact.bin + graph.json (+ constants); checks it loads."""
+    """Export -> standalone_compile -> inductor-artifact.bin + graph.json + graph tensors; checks they load."""
     from torch._inductor.standalone_compile import CompiledArtifact
 
     if params.max_batch < 2:
