@@ -209,9 +209,36 @@ def guard_cases(engine_dir: Path, work: Path) -> list[dict]:
     return out
 
 
-def server_bench(engine_dir: Path, a, port: int = 18080) -> dict:
+def request_texts(a, n: int, seed: int = 1) -> list[list[str]]:
+    """n requests of 8 texts of 4..120 words: the served workload, the same for raw and served runs."""
     import random
 
+    words = "the cat is on the tree and paris is the capital of france what is the weather".split()
+    rng = random.Random(seed)
+    return [[" ".join(rng.choice(words) for _ in range(rng.randint(4, min(120, a.seq // 2)))) for _ in range(8)]
+            for _ in range(n)]
+
+
+def raw_same_workload(engine_dir: Path, requests: list[list[str]], max_batch: int) -> dict:
+    """The engine in-process (tokenise + embed, no HTTP, no batcher) on the served texts, max_batch
+    texts per call: what the server is measured against."""
+    from builder.runtime.engine import Engine
+
+    eng = Engine.open(engine_dir)
+    texts = [t for r in requests for t in r]
+    tokens = sum(len(ids) for ids in eng.encoder.encode(texts))
+    eng.embed_texts(texts[:max_batch])  # warm
+    t = time.monotonic()
+    for i in range(0, len(texts), max_batch):
+        eng.embed_texts(texts[i:i + max_batch])
+    return {"raw_tok_s": round(tokens / (time.monotonic() - t)), "texts": len(texts), "tokens": tokens}
+
+
+def server_bench(engine_dir: Path, a, port: int = 18080) -> dict:
+    n = a.clients * a.requests
+    warm, requests = request_texts(a, a.clients, seed=2), request_texts(a, n)
+    raw = raw_same_workload(engine_dir, requests, json.loads((engine_dir / "engine.json").read_text())
+                            ["params"]["max_batch"])
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "builder.runtime", "serve", "--engine-dir", str(engine_dir),
                              "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
@@ -229,11 +256,8 @@ def server_bench(engine_dir: Path, a, port: int = 18080) -> dict:
             if time.monotonic() - t0 > 300:
                 return {"error": "server not healthy after 300 s"}
         ready = round(time.monotonic() - t0, 2)
-        words = "the cat is on the tree and paris is the capital of france what is the weather".split()
-        rng = random.Random(1)
 
-        def one(_):
-            texts = [" ".join(rng.choice(words) for _ in range(rng.randint(4, min(120, a.seq // 2)))) for _ in range(8)]
+        def one(texts):
             body = json.dumps({"input": texts, "model": "x"}).encode()
             req = urllib.request.Request(url + "/v1/embeddings", data=body,
                                          headers={"Content-Type": "application/json"})
@@ -241,15 +265,17 @@ def server_bench(engine_dir: Path, a, port: int = 18080) -> dict:
             resp = json.loads(urllib.request.urlopen(req, timeout=120).read())
             return time.monotonic() - t, resp["usage"]["prompt_tokens"]
 
-        n = a.clients * a.requests
         with ThreadPoolExecutor(a.clients) as ex:
-            list(ex.map(one, range(a.clients)))  # warm
+            list(ex.map(one, warm))
             t = time.monotonic()
-            res = list(ex.map(one, range(n)))
+            res = list(ex.map(one, requests))
             wall = time.monotonic() - t
         lat = sorted(r[0] for r in res)
-        return {"ready_s": ready, "clients": a.clients, "requests": n, "tok_s": round(sum(r[1] for r in res) / wall),
-                "p50_ms": round(lat[len(lat) // 2] * 1000, 1), "p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1000, 1)}
+        served = sum(r[1] for r in res)
+        return {"ready_s": ready, "clients": a.clients, "requests": n, "tok_s": round(served / wall),
+                "p50_ms": round(lat[len(lat) // 2] * 1000, 1), "p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1000, 1),
+                **raw, "served_over_raw": round(served / wall / raw["raw_tok_s"], 3),
+                "same_tokens": served == raw["tokens"]}
     finally:
         proc.terminate()
         try:
@@ -367,7 +393,9 @@ def print_table(res: dict) -> None:
                  (f"[{mode}]   load path", f.get("load_path"))]
     j = res.get("jit", {})
     rows += [("torch.compile JIT tokens/s, warm-up s", (j.get("jit_tok_s"), j.get("warmup_s"))),
-             ("server tokens/s", res.get("server", {}).get("tok_s")),
+             ("server tokens/s (raw engine, same texts; ratio)", (res.get("server", {}).get("tok_s"),
+                                                                  res.get("server", {}).get("raw_tok_s"),
+                                                                  res.get("server", {}).get("served_over_raw"))),
              ("server p50 / p99 ms", (res.get("server", {}).get("p50_ms"), res.get("server", {}).get("p99_ms")))]
     for k, v in rows:
         print(f"{k:48s} {v}")

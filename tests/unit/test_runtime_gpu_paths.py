@@ -76,7 +76,8 @@ def test_artifact_engine_loads_without_tracing_and_matches_reference(artifact_en
     data = fingerprint.read(out)
     files = data["engine_files"]
     assert data["artifact"] == "compile_cache.json" and data["engine_sha256"] == files["compile_cache.json"]
-    assert {"weights/config.json", "inductor-artifact.bin", "graph.json", "graph-tensors-00001.safetensors"} <= set(files)
+    assert {"weights/config.json", "inductor-artifact.bin", "graph.json",
+            "graph-tensors-00001.safetensors"} <= set(files)
     assert "weights/model.safetensors" not in files  # the graph tensors are the weights: not shipped twice
     assert not any(f.startswith("inductor-cache/") for f in files)  # the artifact carries what it needs
     manifest = json.loads((out / "engine" / "compile_cache.json").read_text())

@@ -254,6 +254,45 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(server, body, raw
     assert ok == 200 and len(body2["data"][0]["embedding"]) == 384
 
 
+def test_a_burst_of_connections_waits_in_the_backlog(engine):
+    """48 clients connect while the server is not accepting yet (as when the GIL and every handler
+    are busy). With socketserver's default backlog of 5 the kernel drops the handshakes beyond it:
+    those clients wait for SYN-ACK retransmits (1 s, 3 s, 7 s ...) and are reset after about a
+    minute, as a load test saw. With a deep backlog every one is queued and answered at once."""
+    import socket
+    import time
+
+    from builder.runtime.engine import Engine
+    from builder.runtime.server import EmbeddingService, ServerLimits, make_server
+
+    service = EmbeddingService(Engine.open(engine[0]), ServerLimits(max_batch=8, max_wait_ms=5, max_inputs=4,
+                                                                     max_input_tokens=32, max_body_bytes=20_000))
+    httpd = make_server(service, "127.0.0.1", 0)
+    port = httpd.server_address[1]
+    socks = []
+    try:
+        for _ in range(48):  # the accept loop is not running: these can only sit in the backlog
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            socks.append(s)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        start = time.monotonic()
+        for s in socks:
+            s.settimeout(10)
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        # Below the kernel's first SYN-ACK retransmit (1 s): no connection was dropped from the queue.
+        assert time.monotonic() - start < 0.9
+    finally:
+        for s in socks:
+            s.close()
+        httpd.shutdown()
+        httpd.server_close()
+        service.close()
+
+
 def test_unknown_route_is_404(server):
     assert call(server, "/v2/nothing", {"input": "a"})[0] == 404
     assert call(server, "/nothing")[0] == 404
