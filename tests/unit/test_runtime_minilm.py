@@ -269,13 +269,14 @@ def test_a_burst_of_connections_waits_in_the_backlog(engine):
                                                                      max_input_tokens=32, max_body_bytes=20_000))
     httpd = make_server(service, "127.0.0.1", 0)
     port = httpd.server_address[1]
-    socks = []
+    socks, serving = [], False
     try:
         for _ in range(48):  # the accept loop is not running: these can only sit in the backlog
-            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)  # a dropped handshake times out here
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             socks.append(s)
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        serving = True
         start = time.monotonic()
         for s in socks:
             s.settimeout(10)
@@ -288,7 +289,8 @@ def test_a_burst_of_connections_waits_in_the_backlog(engine):
     finally:
         for s in socks:
             s.close()
-        httpd.shutdown()
+        if serving:  # shutdown() waits for serve_forever, which never ran if a connect failed
+            httpd.shutdown()
         httpd.server_close()
         service.close()
 
