@@ -1,0 +1,58 @@
+"""The torch-inductor image path on the real Docker daemon, on the CPU: the runtime-torch-inductor
+template, the standalone Inductor artifact compiled in a container of the exact runtime image,
+the final image and its smoke test (health, dimension, cosine vs reference, guard, non-root).
+
+The CUDA `aot` flavour ships this backend; no GPU with Docker exists here, so the same template
+and compile step are built for a cpu variant added to a copy of the matrix (the shipped matrix
+has no such variant). The H200 run of the same backend is in the README.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import STATE, copy_matrix
+from tests.integration.conftest import mopt_cli as mopt
+
+pytestmark = pytest.mark.integration
+VARIANT = "minilm-embed:cpu-inductor"
+FLAVOUR = '''      cpu-inductor:
+        backend: torch-inductor
+        device: cpu
+        set: {base: debian12, python: "3.11", torch: "2.13.0"}
+        tag: cpu-inductor
+'''
+
+
+@pytest.fixture(scope="module")
+def inductor_release(docker_cli, tmp_path_factory):
+    work = copy_matrix(tmp_path_factory.mktemp("inductor"))
+    matrix = work / "matrix.yaml"
+    text = matrix.read_text()
+    anchor = "      # vLLM's CPU build"
+    assert anchor in text, "matrix.yaml changed: put the test flavour next to minilm-embed's cpu flavours"
+    matrix.write_text(text.replace(anchor, FLAVOUR + anchor, 1))
+    result = mopt("release", "--matrix", str(matrix), "--select", VARIANT, cwd=work)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((STATE / "reports" / "latest.json").read_text())
+    return result, report
+
+
+def test_inductor_image_is_built_and_smoke_tested(inductor_release):
+    _, report = inductor_release
+    row = next(v for v in report["variants"] if v["id"] == VARIANT)
+    assert row["status"] == "tested" and row["tested"] is True
+
+
+def test_inductor_engine_is_the_standalone_artifact(inductor_release):
+    record = json.loads((STATE / "variants" / "minilm-embed" / "cpu-inductor.json").read_text())
+    engine = Path(record["engine_dir"])
+    info = json.loads((engine / "engine.json").read_text())
+    assert info["backend"] == "torch-inductor" and info["device"] == "cpu"
+    files = info["engine_files"]
+    assert {"inductor-artifact.bin", "graph.json", "graph-tensors-00001.safetensors"} <= set(files)
+    assert not any(f.startswith("inductor-cache/") for f in files)
+    manifest = json.loads((engine / "engine" / "compile_cache.json").read_text())
+    assert manifest["form"] == "artifact" and manifest["artifact"]["check_cosine"] >= 0.99
