@@ -132,32 +132,41 @@ def child(engine_dir: Path, *extra: str, timeout=600) -> dict:
     return {"error": f"rc {p.returncode}: {p.stderr[-1500:]}"}
 
 
-def eager(model_dir: Path, a) -> dict:
-    import torch
-
+def _module(model_dir: Path, a):
+    """The eager embedding module of the benchmarked model, the way the backends build it."""
     from builder.runtime.backends.torch_aot import DTYPES, build_module
     from builder.runtime.params import EngineParams
 
     params = EngineParams(device=a.device, precision=a.precision, pooling="last", max_batch=a.batch,
                           max_seq_len=a.seq, backend=BACKEND)
-    m = build_module(str(model_dir), params, DTYPES[a.precision], a.device)
+    return build_module(str(model_dir), params, DTYPES[a.precision], a.device)
 
-    def bench(b, s, n):
-        ids = torch.randint(0, 500, (b, s), device=a.device)
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
+
+def _timed(m, a, b: int, s: int, n: int) -> tuple[float, float]:
+    """(seconds of the first call, mean seconds of the next n) on random ids of shape b x s."""
+    import torch
+
+    ids = torch.randint(0, 500, (b, s), device=a.device)
+    mask = torch.ones_like(ids)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    with torch.no_grad():
+        t = time.monotonic()
+        m(ids, mask)
+        sync()
+        first = time.monotonic() - t
+        t = time.monotonic()
+        for _ in range(n):
             m(ids, mask)
-            if a.device == "cuda":
-                torch.cuda.synchronize()
-            t = time.monotonic()
-            for _ in range(n):
-                m(ids, mask)
-            if a.device == "cuda":
-                torch.cuda.synchronize()
-        return (time.monotonic() - t) / n
+        sync()
+    return first, (time.monotonic() - t) / n
 
-    out = {"eager_tok_s": round(a.batch * a.seq / bench(a.batch, a.seq, 10)),
-           "eager_latency_1x32_ms": round(bench(1, 32, 50) * 1000, 3)}
+
+def eager(model_dir: Path, a) -> dict:
+    import torch
+
+    m = _module(model_dir, a)
+    out = {"eager_tok_s": round(a.batch * a.seq / _timed(m, a, a.batch, a.seq, 10)[1]),
+           "eager_latency_1x32_ms": round(_timed(m, a, 1, 32, 50)[1] * 1000, 3)}
     m = None  # free the eager copy before the engine runs
     if a.device == "cuda":
         torch.cuda.empty_cache()
@@ -168,26 +177,8 @@ def jit(model_dir: Path, a) -> dict:
     """torch.compile JIT on the same model and batch (static shape), in this process: warm-up and speed."""
     import torch
 
-    from builder.runtime.backends.torch_aot import DTYPES, build_module
-    from builder.runtime.params import EngineParams
-
     mode = a.compile_modes.split(",")[-1]
-    params = EngineParams(device=a.device, precision=a.precision, pooling="last", max_batch=a.batch,
-                          max_seq_len=a.seq, backend=BACKEND)
-    m = torch.compile(build_module(str(model_dir), params, DTYPES[a.precision], a.device), mode=mode)
-    ids = torch.randint(0, 500, (a.batch, a.seq), device=a.device)
-    mask = torch.ones_like(ids)
-    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
-    with torch.no_grad():
-        t = time.monotonic()
-        m(ids, mask)
-        sync()
-        warm = time.monotonic() - t
-        t = time.monotonic()
-        for _ in range(10):
-            m(ids, mask)
-        sync()
-        dt = (time.monotonic() - t) / 10
+    warm, dt = _timed(torch.compile(_module(model_dir, a), mode=mode), a, a.batch, a.seq, 10)
     return {"mode": mode, "warmup_s": round(warm, 1), "jit_tok_s": round(a.batch * a.seq / dt)}
 
 

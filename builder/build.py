@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import base as base_module
-from .dockerclient import DockerCli, find_docker, run_docker
+from .dockerclient import DOCKER_ROOT, DockerCli, docker_free_gib, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
 from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
@@ -145,12 +145,11 @@ class Builder:
         return write
 
     def _check_disk(self) -> None:
-        root = Path("/var/lib/docker")
-        usage = shutil.disk_usage(root if root.exists() else self.state)
-        free_gib = usage.free / 2**30
+        free_gib = docker_free_gib(fallback=self.state)
         if free_gib < self.options.min_free_gib:
-            raise EnvironmentProblem(f"only {free_gib:.1f} GiB free for Docker ({root}); builds need at least "
-                                     f"{self.options.min_free_gib} GiB: prune images (docker image prune) or free disk")
+            raise EnvironmentProblem(f"only {free_gib:.1f} GiB free for Docker ({DOCKER_ROOT}); builds need at least "
+                                     f"{self.options.min_free_gib} GiB: remove old images (mopt prune, docker image "
+                                     "prune) or free disk")
 
     def _wheelhouse_files(self) -> list[Path]:
         files = []

@@ -19,6 +19,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from builder.errors import BuildError, EnvironmentProblem, MoptError
@@ -26,6 +27,7 @@ from builder.errors import BuildError, EnvironmentProblem, MoptError
 BuildkitKind = Literal["buildx", "builtin"]
 
 DEFAULT_CANDIDATES = ("/usr/bin/docker", "docker")
+DOCKER_ROOT = Path("/var/lib/docker")  # where the daemon keeps images and BuildKit's cache
 PROBE_TIMEOUT_S = 120
 QUICK_TIMEOUT_S = 30
 
@@ -68,6 +70,11 @@ class DockerCli:
 class _Attempt:
     candidate: str
     problem: str
+
+
+def docker_free_gib(fallback: Path = Path("/")) -> float:
+    """GiB free under the daemon's root (under FALLBACK where that directory is not on this host)."""
+    return shutil.disk_usage(DOCKER_ROOT if DOCKER_ROOT.exists() else fallback).free / 2**30
 
 
 def candidate_paths(env: Mapping[str, str] | None = None) -> list[str]:

@@ -10,17 +10,15 @@ its stages); images without the label (the rootfs bases, anything not ours) are 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .build import KEY_LABEL
-from .dockerclient import DockerCli, run_docker
+from .dockerclient import DockerCli, docker_free_gib, run_docker
 from .errors import ConfigError, EnvironmentProblem
 
 Log = Callable[[str], None]
-DOCKER_ROOT = Path("/var/lib/docker")
 
 
 @dataclass(frozen=True)
@@ -72,14 +70,10 @@ def our_images(docker: DockerCli, labels: Iterable[str] = ()) -> list[OurImage]:
     return [OurImage(image_id, tuple(sorted(refs))) for image_id, refs in sorted(tags.items())]
 
 
-def free_gib(path: Path = DOCKER_ROOT) -> float:
-    return shutil.disk_usage(path if path.exists() else Path("/")).free / 2**30
-
-
 def prune(docker: DockerCli, keep_states: Iterable[Path], *, labels: Iterable[str] = (),
           build_cache_gib: float | None = None, dry_run: bool = False, log: Log = print) -> PruneResult:
     keep_ids = referenced_image_ids(keep_states)
-    before = free_gib()
+    before = docker_free_gib()
     removed, kept, failed = [], [], []
     for image in our_images(docker, labels):
         if image.image_id in keep_ids:
@@ -106,4 +100,4 @@ def prune(docker: DockerCli, keep_states: Iterable[Path], *, labels: Iterable[st
             run_docker(["builder", "prune", "--force", "--keep-storage", str(keep_bytes)], docker=docker,
                        timeout=900, error_cls=EnvironmentProblem)
             log(f"trimmed BuildKit's cache to {build_cache_gib:g} GiB")
-    return PruneResult(tuple(removed), tuple(kept), tuple(failed), before, free_gib())
+    return PruneResult(tuple(removed), tuple(kept), tuple(failed), before, docker_free_gib())

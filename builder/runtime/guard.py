@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,28 +23,25 @@ class EngineMismatch(GuardError):
     """The engine is intact but was built for another GPU or software stack (recompilable)."""
 
 
-def _integrity(out_dir: Path, data: dict, during: Callable[[], object] = lambda: None):
-    """Check every engine file's sha256; returns what ``during()`` returned, having run it while the
-    files were hashed (host facts need CUDA initialised, which takes as long as hashing a GB)."""
+def _integrity(out_dir: Path, data: dict) -> None:
     engine_dir = out_dir / fingerprint.ENGINE_SUBDIR
-    bad = []
-    wanted = sorted(data["engine_files"].items())
-    missing = [rel for rel, _ in wanted if not (engine_dir / rel).is_file()]
-    bad += [f"{rel} is missing" for rel in missing]
-    present = [(rel, want) for rel, want in wanted if rel not in missing]
+    bad, present = [], []
+    for rel, want in sorted(data["engine_files"].items()):
+        if (engine_dir / rel).is_file():
+            present.append((rel, want))
+        else:
+            bad.append(f"{rel} is missing")
     # hashlib releases the GIL on large buffers: files (weights are saved in shards) hash in parallel.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1, max(1, len(present)))) as pool:
-        got = [pool.submit(fingerprint.sha256_file, engine_dir / rel) for rel, _ in present]
-        result = during()
-        bad += [f"{rel} sha256 differs from engine.json"
-                for (rel, want), fut in zip(present, got, strict=True) if fut.result() != want]
+        got = list(pool.map(lambda item: fingerprint.sha256_file(engine_dir / item[0]), present))
+    bad += [f"{rel} sha256 differs from engine.json" for (rel, want), sha in zip(present, got, strict=True)
+            if sha != want]
     artifact = data.get("artifact")
     if artifact and data["engine_files"].get(artifact) != data["engine_sha256"]:
         bad.append(f"engine_sha256 in engine.json does not match the recorded sha256 of {artifact}")
     if bad:
         raise GuardError(f"engine in {engine_dir} failed its integrity check: {'; '.join(bad)}; "
                          "rebuild or re-pull the image")
-    return result
 
 
 def _sm_label(sm: str | None, name: str | None) -> str:
@@ -104,7 +100,11 @@ def check(out_dir: str | Path, facts: HostFacts | None = None) -> dict:
     """Return engine.json if the engine may be served here; raise GuardError otherwise."""
     out_dir = Path(out_dir)
     data = fingerprint.read(out_dir)
-    facts = _integrity(out_dir, data, during=(lambda: facts) if facts else host_facts)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # CUDA initialisation for the host facts takes about as long as hashing a GB: overlap the two.
+        pending = None if facts else pool.submit(host_facts)
+        _integrity(out_dir, data)
+        facts = facts or pending.result()
     diffs = _environment(data, facts)
     if diffs:
         raise EngineMismatch(f"{'; '.join(diffs)}: {fitting_tag(data.get('image'), facts)}")

@@ -33,19 +33,14 @@ def _bench():
 
 
 def _compile(tmp_path_factory, name: str, **env):
-    import os
-
     tiny = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "model", seed=0)
     out = tmp_path_factory.mktemp(name) / "out"
     params = EngineParams(backend="torch-inductor", max_batch=4, max_seq_len=32, pooling="last",
                           model_dir=str(tiny))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # module-scoped fixtures cannot take monkeypatch
+        for key, value in env.items():
+            patch.setenv(key, value)
         summary = compile_engine(tiny, out, params, reference_texts=TEXTS)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return out, summary
 
 

@@ -47,7 +47,7 @@ from . import torch_aot
 ARTIFACT = "compile_cache.json"
 CACHE_SUBDIR = "inductor-cache"
 WEIGHTS_SUBDIR = "weights"
-WEIGHT_SHARD = "256MB"
+SHARD_BYTES = 256 << 20  # weights and graph tensors are saved in shards the guard hashes in parallel
 VERSION_IS_TORCH = True
 DTYPES = torch_aot.DTYPES
 ENV_RUNTIME_CACHE = "MOPT_COMPILE_CACHE_DIR"  # where the loader puts its writable copy
@@ -151,9 +151,9 @@ def _graph_tensors(exported, module: EmbeddingModule, specs: list[dict]) -> dict
     return out
 
 
-def save_graph_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, shard_bytes: int = 256 << 20) -> list[str]:
-    """Shards of at most ~shard_bytes; tied tensors are stored once per shard (copies are cheap next to
-    the risk of safetensors refusing shared storage)."""
+def save_graph_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Shards of at most ~shard_bytes. Every tensor is saved as its own copy: safetensors refuses
+    tensors that share storage, so a tied weight is stored once per name."""
     from safetensors.torch import save_file
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -262,8 +262,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
         module.body.config.save_pretrained(out_dir / WEIGHTS_SUBDIR)  # the weights are the graph tensors
         form = "artifact"
     else:
-        # Shards, so the start-up guard hashes them in parallel (one 1.2 GB file is one thread's work).
-        module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True, max_shard_size=WEIGHT_SHARD)
+        module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True, max_shard_size=SHARD_BYTES)
         torch._dynamo.reset()
         with torch._inductor.config.patch(_inductor_options(params.compile_mode)["config_patches"]):
             warm = _warm(lambda ids, mask: _call_dynamic(_compiled(module), ids, mask), params)
