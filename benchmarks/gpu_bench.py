@@ -1,15 +1,18 @@
 """GPU benchmark of the in-image runtime, through the image's own entry points.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT [--layers 28] [--deadline-s 540]
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT [--layers 28] [--deadline-s 540] \
+        [--engines default/causal,default/mask] [--jit default,default/causal,max-autotune] [--profile]
 
 Builds a Qwen3-Embedding-0.6B-architecture model (random weights, seed 0; the Hub is unreachable),
 compiles it with `python -m builder.runtime compile --backend torch-inductor --device cuda`,
-then measures: eager vs engine throughput (64 x 512) and latency (1 x 32), a mixed-length
-workload, cold start of a fresh process (prebuilt engine) vs the compile step, accuracy (early, as
-it is cheap), the HTTP server
-under concurrent loopback clients, the guard refusing altered engine.json files, and accuracy of
-engines built from the tiny Qwen3 (real tokenizer) vs its fp32 eager reference. Sections that
-would pass --deadline-s are skipped and recorded as such. Prints a table, writes bench.json.
+one engine per --engines entry (compile mode/attention[/variant]), then measures: eager vs engine
+throughput (64 x 512) and latency (1 x 32), a mixed-length workload, cold start of a fresh process
+(prebuilt engine, through the guard as serve starts) vs the compile step, the start step by step with a profile of
+the artifact load, torch.compile JIT on the same model (static shape, in this process), the guard
+refusing altered engine.json files, accuracy of engines built from the tiny Qwen3 (real tokenizer)
+vs its fp32 eager reference, the HTTP server under concurrent loopback clients against the raw
+engine on the same texts, and (--profile) the top CUDA kernels of eager and of each engine. Sections
+that would pass --deadline-s are skipped and recorded as such. Prints a table, writes bench.json.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ QWEN3_06B = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, nu
 TINY = dict(QWEN3_06B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
 BACKEND = "torch-inductor"
+# Engine variants: environment of the compile step (knobs of the torch-inductor backend).
+VARIANTS = {"cudnn": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}}
 
 
 def parse_args(argv=None):
@@ -47,9 +52,19 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=8, help="requests per client")
     p.add_argument("--deadline-s", type=float, default=540.0)
     p.add_argument("--accuracy-precisions", default="fp32,bf16,fp16")
-    p.add_argument("--compile-modes", default="default,max-autotune-no-cudagraphs",
-                   help="engines to build and measure, in order (later ones only if the deadline allows)")
-    p.add_argument("--jit", action="store_true", help="also time torch.compile JIT (minutes of warm-up)")
+    p.add_argument("--engines", default="default/causal",
+                   help="engines to build and measure, in order (later ones only if the deadline allows): "
+                        "MODE/ATTENTION[/VARIANT], VARIANT one of " + ", ".join(VARIANTS) +
+                        "; the first is the recipe's choice, used for the guard, accuracy, start and server")
+    p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION] each, e.g. "
+                   "default,default/causal,max-autotune (minutes of warm-up each)")
+    p.add_argument("--server-engine", type=int, default=0, help="index in --engines of the engine to serve")
+    p.add_argument("--servers", default="float,base64",
+                   help="server runs, FORMAT[+PYTHONPATH][@SWITCH_MS][!] each: response format, a dir put on the "
+                        "server's and the client's path (an unpacked orjson wheel), the server's GIL switch "
+                        "interval, ! for the engine in the server process (serve --no-engine-process)")
+    p.add_argument("--skip", default="", help="sections to leave out: start,guard,accuracy,server")
+    p.add_argument("--profile", action="store_true", help="top CUDA kernels of eager and of each engine")
     a = p.parse_args(argv)
     if a.device == "cpu" and a.precision != "fp32":
         p.error("--device cpu needs --precision fp32")
@@ -79,6 +94,17 @@ def make_model(dest: Path, layers: int, tiny: bool, seed: int = 0) -> Path:
     return dest
 
 
+def prime_bytecode() -> None:
+    """Child processes share a byte-code cache, filled once here: images ship compiled byte-code
+    (pip compiles at install); a venv without it would add seconds of source compiling to every
+    cold start measured."""
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", "/tmp/mopt-gpu-bench-pycache")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-c", "import torch, torch._inductor.standalone_compile, transformers, "
+                    "builder.runtime.__main__, builder.runtime.backends.torch_inductor, builder.runtime.server"],
+                   cwd=REPO, capture_output=True, timeout=300, env=env)
+
+
 def cli(*args, timeout=900, env=None):
     t = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "builder.runtime", *args], cwd=REPO, capture_output=True,
@@ -92,13 +118,17 @@ t0 = time.monotonic()
 import torch
 t_import = time.monotonic() - t0
 from builder.runtime.engine import Engine
-eng = Engine.open(sys.argv[1])
+from builder.runtime.guard import resolve
+engine_dir, info = resolve(sys.argv[1])  # the serve path: the guard, then the load
+t_guard = time.monotonic() - t0
+eng = Engine.from_info(engine_dir, info)
 t_open = time.monotonic() - t0
 first = eng.embed_texts(["hello world"])
 t_first = time.monotonic() - t0
 import builder.runtime.backends.torch_inductor as tcc
 res = {"load_path": tcc.LAST_LOAD_PATH, "import_torch_s": round(t_import, 2), "first_embedding_s": round(t_first, 2),
-       "beyond_import_s": round(t_first - t_import, 2), "open_s": round(t_open - t_import, 2),
+       "beyond_import_s": round(t_first - t_import, 2), "guard_s": round(t_guard - t_import, 2),
+       "load_s": round(t_open - t_guard, 2),
        "dim": len(first[0])}
 if len(sys.argv) > 2:
     b, s = int(sys.argv[2]), int(sys.argv[3])
@@ -117,28 +147,32 @@ if len(sys.argv) > 2:
     rng = random.Random(0)
     seqs = [[rng.randrange(2, 500) for _ in range(rng.randint(8, s))] for _ in range(512)]
     eng.embed_ids(seqs[:64])
-    t = time.monotonic(); eng.embed_ids(seqs); dt = time.monotonic() - t
-    res["mixed_tok_s"] = round(sum(map(len, seqs)) / dt); res["mixed_texts"] = len(seqs)
+    # First pass: shapes this process has not run yet; second pass: the same shapes again.
+    for key in ("mixed_first_pass_tok_s", "mixed_tok_s"):
+        t = time.monotonic(); eng.embed_ids(seqs); dt = time.monotonic() - t
+        res[key] = round(sum(map(len, seqs)) / dt)
+    res["mixed_texts"] = len(seqs)
 print("CHILD " + json.dumps(res), flush=True)
 '''
 
 
-def child(engine_dir: Path, *extra: str, timeout=600) -> dict:
+def child(engine_dir: Path, *extra: str, timeout=600, env=None) -> dict:
     p = subprocess.run([sys.executable, "-c", COLD_CHILD, str(engine_dir), *extra], cwd=REPO, capture_output=True,
-                       text=True, timeout=timeout)
+                       text=True, timeout=timeout, env={**os.environ, **(env or {})})
     for line in p.stdout.splitlines():
         if line.startswith("CHILD "):
             return json.loads(line[6:])
     return {"error": f"rc {p.returncode}: {p.stderr[-1500:]}"}
 
 
-def _module(model_dir: Path, a):
-    """The eager embedding module of the benchmarked model, the way the backends build it."""
+def _module(model_dir: Path, a, attention: str = "mask"):
+    """The eager embedding module of the benchmarked model, the way the backends build it; "mask" is
+    the model as transformers runs it (eager with an all-ones mask takes SDPA's flash kernel too)."""
     from builder.runtime.backends.torch_aot import DTYPES, build_module
     from builder.runtime.params import EngineParams
 
     params = EngineParams(device=a.device, precision=a.precision, pooling="last", max_batch=a.batch,
-                          max_seq_len=a.seq, backend=BACKEND)
+                          max_seq_len=a.seq, backend=BACKEND, attention=attention)
     return build_module(str(model_dir), params, DTYPES[a.precision], a.device)
 
 
@@ -173,13 +207,71 @@ def eager(model_dir: Path, a) -> dict:
     return out
 
 
-def jit(model_dir: Path, a) -> dict:
-    """torch.compile JIT on the same model and batch (static shape), in this process: warm-up and speed."""
+def jit(model_dir: Path, a, spec: str) -> dict:
+    """torch.compile JIT, same batch (static shape), in this process: warm-up and speed. MODE alone
+    is the model as transformers runs it; MODE/causal the engine's causal-attention module."""
     import torch
 
-    mode = a.compile_modes.split(",")[-1]
-    warm, dt = _timed(torch.compile(_module(model_dir, a), mode=mode), a, a.batch, a.seq, 10)
-    return {"mode": mode, "warmup_s": round(warm, 1), "jit_tok_s": round(a.batch * a.seq / dt)}
+    mode, _, attention = spec.partition("/")
+    torch._dynamo.reset()
+    warm, dt = _timed(torch.compile(_module(model_dir, a, attention or "mask"), mode=mode), a, a.batch, a.seq, 10)
+    out = {"mode": mode, "attention": attention or "mask", "warmup_s": round(warm, 1),
+           "jit_tok_s": round(a.batch * a.seq / dt)}
+    torch._dynamo.reset()
+    torch.cuda.empty_cache() if a.device == "cuda" else None
+    return out
+
+
+PROFILE_CHILD = r'''
+import json, sys, torch
+from torch.profiler import ProfilerActivity, profile
+target, b, s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ids = torch.randint(0, 500, (b, s)); mask = torch.ones_like(ids)
+if target == "eager":  # argv: eager b s model_dir precision
+    from builder.runtime.backends.torch_aot import DTYPES, build_module
+    from builder.runtime.params import EngineParams
+    params = EngineParams(backend="torch-inductor", device="cuda", precision=sys.argv[5], pooling="last",
+                          max_batch=b, max_seq_len=s)
+    m = build_module(sys.argv[4], params, DTYPES[params.precision], "cuda")
+    ids, mask = ids.cuda(), mask.cuda()
+    run = lambda: m(ids, mask)
+else:  # argv: engine_out_dir b s
+    from builder.runtime.engine import Engine
+    eng = Engine.open(target)
+    run = lambda: eng.run(ids, mask)
+with torch.no_grad():
+    for _ in range(3): run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3): run()
+        torch.cuda.synchronize()
+events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+total = sum(e.self_device_time_total for e in events)
+rows = [f"{e.self_device_time_total / total * 100:5.1f}% {e.self_device_time_total / 3000:8.2f} ms "
+        f"x{e.count // 3:<4d} {e.key[:110]}" for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]]
+print("PROFILE " + json.dumps({"ms_per_call": round(total / 3000, 2), "top": rows}), flush=True)
+'''
+
+
+def kernel_profile(target: str, a, model_dir: Path | None = None) -> dict:
+    """Top CUDA kernels (self time, mean of 3 calls of batch x seq) in a fresh process: eager or an engine."""
+    argv = [sys.executable, "-c", PROFILE_CHILD, target, str(a.batch), str(a.seq)]
+    if target == "eager":
+        argv += [str(model_dir), a.precision]
+    p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    for line in p.stdout.splitlines():
+        if line.startswith("PROFILE "):
+            return json.loads(line[8:])
+    return {"error": f"rc {p.returncode}: {p.stderr[-1500:]}"}
+
+
+def start_steps(engine_dir: Path) -> dict:
+    """benchmarks/start_breakdown.py on the engine, with a cProfile of the backend load."""
+    p = subprocess.run([sys.executable, "benchmarks/start_breakdown.py", str(engine_dir), "--profile-load"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        return {"error": p.stderr[-1500:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def guard_cases(engine_dir: Path, work: Path) -> list[dict]:
@@ -218,22 +310,37 @@ def raw_same_workload(engine_dir: Path, requests: list[list[str]], max_batch: in
     eng = Engine.open(engine_dir)
     texts = [t for r in requests for t in r]
     tokens = sum(len(ids) for ids in eng.encoder.encode(texts))
-    eng.embed_texts(texts[:max_batch])  # warm
-    t = time.monotonic()
-    for i in range(0, len(texts), max_batch):
-        eng.embed_texts(texts[i:i + max_batch])
+    for _ in range(2):  # the second pass is timed: shapes seen once, as the server's warm pass does
+        t = time.monotonic()
+        for i in range(0, len(texts), max_batch):
+            eng.embed_texts(texts[i:i + max_batch])
     return {"raw_tok_s": round(tokens / (time.monotonic() - t)), "texts": len(texts), "tokens": tokens}
 
 
-def server_bench(engine_dir: Path, a, port: int = 18080) -> dict:
+def server_bench(engine_dir: Path, a, fmt: str = "float", env: dict | None = None, client_path: str = "",
+                 in_process: bool = False, port: int = 18080) -> dict:
+    """The serve CLI under a.clients concurrent loopback clients, a.requests requests each (8 texts),
+    responses in fmt (float JSON, or base64 as OpenAI's Python client asks), against the raw engine
+    on the same texts. One full warm pass, then the timed pass. The client parses with orjson when
+    client_path holds it (a Python client parsing 1M floats is a bottleneck of its own)."""
+    loads = json.loads
+    if client_path:
+        sys.path.insert(0, client_path)
+        try:
+            import orjson
+            loads = orjson.loads
+        except ImportError:
+            pass
     n = a.clients * a.requests
-    warm, requests = request_texts(a, a.clients, seed=2), request_texts(a, n)
+    requests = request_texts(a, n)
     raw = raw_same_workload(engine_dir, requests, json.loads((engine_dir / "engine.json").read_text())
                             ["params"]["max_batch"])
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "builder.runtime", "serve", "--engine-dir", str(engine_dir),
-                             "--host", "127.0.0.1", "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--host", "127.0.0.1", "--port", str(port),
+                             *(["--no-engine-process"] if in_process else [])], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -249,21 +356,23 @@ def server_bench(engine_dir: Path, a, port: int = 18080) -> dict:
         ready = round(time.monotonic() - t0, 2)
 
         def one(texts):
-            body = json.dumps({"input": texts, "model": "x"}).encode()
+            body = json.dumps({"input": texts, "model": "x", "encoding_format": fmt}).encode()
             req = urllib.request.Request(url + "/v1/embeddings", data=body,
                                          headers={"Content-Type": "application/json"})
             t = time.monotonic()
-            resp = json.loads(urllib.request.urlopen(req, timeout=120).read())
+            resp = loads(urllib.request.urlopen(req, timeout=120).read())
             return time.monotonic() - t, resp["usage"]["prompt_tokens"]
 
         with ThreadPoolExecutor(a.clients) as ex:
-            list(ex.map(one, warm))
+            list(ex.map(one, requests))
             t = time.monotonic()
             res = list(ex.map(one, requests))
             wall = time.monotonic() - t
         lat = sorted(r[0] for r in res)
         served = sum(r[1] for r in res)
-        return {"ready_s": ready, "clients": a.clients, "requests": n, "tok_s": round(served / wall),
+        return {"format": fmt, "env": env or {}, "engine_process": not in_process, "ready_s": ready,
+                "clients": a.clients, "requests": n,
+                "tok_s": round(served / wall),
                 "p50_ms": round(lat[len(lat) // 2] * 1000, 1), "p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1000, 1),
                 **raw, "served_over_raw": round(served / wall / raw["raw_tok_s"], 3),
                 "same_tokens": served == raw["tokens"]}
@@ -302,15 +411,15 @@ def main(argv=None) -> int:
         save()
 
     model_dir = make_model(work / "model", a.layers, a.tiny)
-    engine = work / "engine"
+    prime_bytecode()
     section("eager", lambda: eager(model_dir, a), 30)
 
-    def compile_step(mode: str, dest: Path):
+    def compile_step(mode: str, attention: str, variant: str, dest: Path):
         p, secs = cli("compile", "--model", str(model_dir), "--out", str(dest), "--backend", BACKEND,
                       "--device", a.device, "--precision", a.precision, "--max-batch", str(a.batch),
                       "--max-seq-len", str(a.seq), "--pooling", "last", "--no-verify", "--compile-mode", mode,
-                      *(["--target-sm", "90"] if a.device == "cuda" else []),
-                      timeout=max(60, a.deadline_s - (time.monotonic() - t_start)))
+                      "--attention", attention, *(["--target-sm", "90"] if a.device == "cuda" else []),
+                      timeout=max(60, a.deadline_s - (time.monotonic() - t_start)), env=VARIANTS.get(variant))
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-2000:])
         info = json.loads((dest / "engine.json").read_text())
@@ -320,19 +429,31 @@ def main(argv=None) -> int:
                 "artifact": manifest.get("artifact")}
 
     engines = {}
-    for i, mode in enumerate(a.compile_modes.split(",")):
-        dest = work / f"engine-{mode}"
-        section(f"compile[{mode}]", lambda mode=mode, dest=dest: compile_step(mode, dest), 60 if i == 0 else 150)
-        if "error" in res.get(f"compile[{mode}]", {"error": 1}):
+    for i, key in enumerate(a.engines.split(",")):
+        mode, attention, variant = (key.split("/") + ["", ""])[:3]
+        dest = work / f"engine-{key.replace('/', '-')}"
+        section(f"compile[{key}]", lambda m=mode, at=attention, v=variant, d=dest: compile_step(m, at, v, d),
+                60 if i == 0 else 150)
+        if "error" in res.get(f"compile[{key}]", {"error": 1}):
             continue
-        engines[mode] = dest
-        section(f"engine[{mode}]", lambda dest=dest: child(dest, str(a.batch), str(a.seq)), 45)
+        engines[key] = dest
+        section(f"engine[{key}]", lambda dest=dest: child(dest, str(a.batch), str(a.seq)), 45)
     if not engines:
         save()
         return 1
-    engine = next(iter(engines.values()))
-    if a.jit:
-        section("jit", lambda: jit(model_dir, a), 150)
+    if a.profile and a.device == "cuda":
+        section("profile[eager]", lambda: kernel_profile("eager", a, model_dir), 40)
+        for key, dest in engines.items():
+            section(f"profile[{key}]", lambda dest=dest: kernel_profile(str(dest), a), 40)
+    first_key, engine = next(iter(engines.items()))
+    attention = first_key.split("/")[1]
+    skip = set(a.skip.split(",")) - {""}
+    if "start" not in skip:
+        section("cold[again]", lambda: child(engine), 30)  # a second fresh process: the spread of the figure
+        section("start_steps", lambda: start_steps(engine), 30)
+    for spec in filter(None, a.jit.split(",")):
+        section(f"jit[{spec}]", lambda spec=spec: jit(model_dir, a, spec), 150 if "autotune" in spec else 90)
+
     def accuracy():
         tiny = work / "tiny"
         from builder.runtime.tiny_qwen3 import make_tiny_qwen3
@@ -346,54 +467,75 @@ def main(argv=None) -> int:
                 continue
             p, secs = cli("compile", "--model", str(tiny), "--out", str(work / f"acc-{prec}"), "--backend", BACKEND,
                           "--device", a.device, "--precision", prec, "--max-batch", "8", "--max-seq-len", "64",
-                          "--pooling", "last", "--reference-texts", str(work / "texts.json"))
+                          "--pooling", "last", "--attention", attention, "--reference-texts", str(work / "texts.json"))
             if p.returncode != 0:
                 rows.append({"precision": prec, "error": p.stderr[-800:]})
                 continue
             ref = json.loads((work / f"acc-{prec}" / "reference.json").read_text())
             from builder.runtime.compiler import cosine
             from builder.runtime.engine import Engine
-            got = Engine.open(work / f"acc-{prec}").embed_texts(texts)
+            got = Engine.open(work / f"acc-{prec}").embed_texts(texts)  # one padded batch of mixed lengths
             cos = [cosine(x, y) for x, y in zip(got, ref["embeddings"], strict=True)]
-            rows.append({"precision": prec, "cos_min": round(min(cos), 6), "cos_mean": round(sum(cos) / len(cos), 6),
-                         "compile_wall_s": secs})
+            rows.append({"precision": prec, "attention": attention, "cos_min": round(min(cos), 6),
+                         "cos_mean": round(sum(cos) / len(cos), 6), "compile_wall_s": secs})
         rows.append({"precision": "fp8", "error": "not offered: torch-inductor has no fp8 path"})
         return rows
-    section("guard", lambda: guard_cases(engine, work), 30)
-    section("accuracy_tiny_qwen3", accuracy, 90)
-    section("server", lambda: server_bench(engine, a), 60)
+    if "guard" not in skip:
+        section("guard", lambda: guard_cases(engine, work), 30)
+    if "accuracy" not in skip:
+        section("accuracy_tiny_qwen3", accuracy, 90)
+    if "server" not in skip and len(engines) > a.server_engine:
+        key, served = list(engines.items())[a.server_engine]
+        for spec in a.servers.split(","):
+            in_process = spec.endswith("!")
+            rest, _, switch_ms = spec.rstrip("!").partition("@")
+            fmt, _, path = rest.partition("+")
+            env = {}
+            if path:
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
+            if switch_ms:
+                env["MOPT_SWITCH_INTERVAL_MS"] = switch_ms
+            section(f"server[{key} {spec}]",
+                    lambda fmt=fmt, env=env, path=path, inp=in_process: server_bench(served, a, fmt, env, path, inp),
+                    40)
 
     res["total_s"] = round(time.monotonic() - t_start, 1)
     save()
     print_table(res)
     return 0
 
-
 def print_table(res: dict) -> None:
     e = res.get("eager", {})
     rows = [("eager tokens/s (batch x seq)", e.get("eager_tok_s")),
             ("eager latency 1x32 ms", e.get("eager_latency_1x32_ms"))]
-    for mode in res["args"]["compile_modes"].split(","):
+    for mode in res["args"]["engines"].split(","):
         c, f = res.get(f"compile[{mode}]", {}), res.get(f"engine[{mode}]", {})
         rows += [(f"[{mode}] compile step s (form)", (c.get("wall_s"), c.get("form"))),
                  (f"[{mode}] engine tokens/s (batch x seq)", f.get("engine_tok_s")),
                  (f"[{mode}] engine latency 1x32 ms", f.get("engine_latency_1x32_ms")),
-                 (f"[{mode}] engine mixed 8..seq tokens/s", f.get("mixed_tok_s")),
+                 (f"[{mode}] engine mixed 8..seq tokens/s (first pass)", (f.get("mixed_tok_s"),
+                                                                          f.get("mixed_first_pass_tok_s"))),
                  (f"[{mode}] fresh process -> first embedding s", f.get("first_embedding_s")),
                  (f"[{mode}]   of which import torch s", f.get("import_torch_s")),
                  (f"[{mode}]   load path", f.get("load_path"))]
-    j = res.get("jit", {})
-    rows += [("torch.compile JIT tokens/s, warm-up s", (j.get("jit_tok_s"), j.get("warmup_s"))),
-             ("server tokens/s (raw engine, same texts; ratio)", (res.get("server", {}).get("tok_s"),
-                                                                  res.get("server", {}).get("raw_tok_s"),
-                                                                  res.get("server", {}).get("served_over_raw"))),
-             ("server p50 / p99 ms", (res.get("server", {}).get("p50_ms"), res.get("server", {}).get("p99_ms")))]
+    cold = res.get("cold[again]", {})
+    rows.append(("first engine, again: first embedding s (import torch)", (cold.get("first_embedding_s"),
+                                                                            cold.get("import_torch_s"))))
+    rows.append(("first engine, start steps s", res.get("start_steps", {}).get("steps_s")))
+    for spec in filter(None, res["args"]["jit"].split(",")):
+        j = res.get(f"jit[{spec}]", {})
+        rows.append((f"torch.compile JIT [{spec}] tokens/s, warm-up s", (j.get("jit_tok_s"), j.get("warmup_s"))))
+    rows += [(f"{k} tokens/s, raw, ratio, p50/p99 ms", (v.get("tok_s"), v.get("raw_tok_s"), v.get("served_over_raw"),
+                                                        v.get("p50_ms"), v.get("p99_ms")))
+             for k, v in res.items() if k.startswith("server[")]
     for k, v in rows:
         print(f"{k:48s} {v}")
     for g in res.get("guard", []) if isinstance(res.get("guard"), list) else []:
         print(f"guard {g['case']:12s} exit {g['exit']}: {g['message']}")
     for r in res.get("accuracy_tiny_qwen3", []) if isinstance(res.get("accuracy_tiny_qwen3"), list) else []:
         print("accuracy", r)
+    for key in [k for k in res if k.startswith("profile[")]:
+        print(key, res[key].get("ms_per_call"), "ms per call", *res[key].get("top", [])[:12], sep="\n  ")
 
 
 if __name__ == "__main__":

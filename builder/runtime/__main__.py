@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
     c.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
                    help="Inductor mode (--backend torch-inductor): autotuning runs once, here")
+    c.add_argument("--attention", choices=("mask", "causal"), default="mask",
+                   help="causal: causal decoders only; right padding and SDPA's is_causal, no mask tensor "
+                        "(flash attention). Exact: a real token never attends to a padded one")
     c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")
@@ -77,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=_env_int("MOPT_MAX_BATCH", None),
                    help="inputs per engine call (default: the engine's max_batch)")
     s.add_argument("--max-wait-ms", type=float, default=float(os.environ.get("MOPT_MAX_WAIT_MS", "5")))
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a worker process, apart from the HTTP threads (no shared GIL)")
     s.add_argument("--max-inputs", type=int, default=_env_int("MOPT_MAX_INPUTS", 256))
     s.add_argument("--max-input-tokens", type=int, default=_env_int("MOPT_MAX_INPUT_TOKENS", None),
                    help="default and ceiling: the engine's max_seq_len")
@@ -100,6 +105,7 @@ def cmd_compile(a) -> dict:
     params = EngineParams(backend=a.backend, device=a.device, precision=a.precision, max_batch=a.max_batch,
                           max_seq_len=a.max_seq_len, pooling=a.pooling, normalize=a.normalize,
                           instruction=a.instruction, model_dir=str(model.resolve()), compile_mode=a.compile_mode,
+                          attention=a.attention,
                           model_name=a.model_name or (image or {}).get("repository") or model.resolve().name,
                           **{k: getattr(a, k) for k in vars(a) if k.startswith("trt_")})
     return compile_engine(model, a.out, params, target_sm=a.target_sm, image=image,
@@ -115,22 +121,29 @@ def cmd_check(a) -> dict:
 
 
 def cmd_serve(a) -> None:
-    from .backends import get_backend
+    from . import fingerprint
+    from .backends import BACKENDS_WITH_OWN_SERVER, get_backend
     from .engine import Engine
     from .guard import resolve
     from .server import EmbeddingService, ServerLimits, serve
 
-    engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
-    exec_serve = getattr(get_backend(data["backend"]), "exec_serve", None)
-    if exec_serve is not None:  # vllm, tensorrt-llm: the guard ran; their own OpenAI server takes over
-        exec_serve(engine_dir, data, a.host, a.port)
+    info = fingerprint.read(a.engine_dir)
+    if info["backend"] in BACKENDS_WITH_OWN_SERVER:  # vllm, tensorrt-llm: the guard, then their OpenAI server
+        engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+        get_backend(data["backend"]).exec_serve(engine_dir, data, a.host, a.port)
         return
-    engine = Engine.open(engine_dir)
-    limits = ServerLimits(max_batch=a.max_batch or engine.params.max_batch, max_wait_ms=a.max_wait_ms,
+    limits = ServerLimits(max_batch=a.max_batch or info["params"]["max_batch"], max_wait_ms=a.max_wait_ms,
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
                           max_body_bytes=a.max_body_bytes)
     if limits.max_batch < 1 or limits.max_inputs < 1:
         raise UsageError("--max-batch and --max-inputs must be >= 1")
+    if a.engine_process:  # the guard, the load and the forward passes in a worker (worker.py says why)
+        from .worker import EngineProcess
+
+        engine = EngineProcess(a.engine_dir).start()
+    else:
+        engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+        engine = Engine.from_info(engine_dir, data)
     serve(EmbeddingService(engine, limits), a.host, a.port)
 
 

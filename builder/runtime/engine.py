@@ -30,7 +30,7 @@ class Engine:
     def from_info(cls, out_dir: str | Path, info: dict, params: EngineParams | None = None) -> Engine:
         params = params or EngineParams.from_dict(info["params"])
         engine_dir = Path(out_dir) / fingerprint.ENGINE_SUBDIR
-        encoder = TextEncoder(engine_dir, params.pooling, params.instruction)
+        encoder = TextEncoder(engine_dir, params.pooling, params.instruction, params.pad_left)
         run = get_backend(params.backend).load(engine_dir, params)
         return cls(params, encoder, run, info)
 
@@ -39,12 +39,16 @@ class Engine:
         return int(self.info["embedding_dim"])
 
     def embed_ids(self, seqs: list[list[int]]) -> list[list[float]]:
+        return self.embed_tensor(seqs).tolist()
+
+    def embed_tensor(self, seqs: list[list[int]]):
+        """float32 CPU tensor [len(seqs), dim], rows in input order."""
         import torch
 
         too_long = [i for i, s in enumerate(seqs) if len(s) > self.params.max_seq_len]
         if too_long:
             raise ValueError(f"inputs {too_long} exceed the engine's max_seq_len {self.params.max_seq_len}")
-        out: list[list[float] | None] = [None] * len(seqs)
+        out = torch.empty(len(seqs), self.dim, dtype=torch.float32)
         # Group similar lengths so padding stays small; each group is at most max_batch rows.
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         step = self.params.max_batch
@@ -54,8 +58,7 @@ class Engine:
             batch = self.encoder.pad([seqs[i] for i in idx], length)
             emb = self.run(torch.tensor(batch.input_ids, dtype=torch.long),
                            torch.tensor(batch.attention_mask, dtype=torch.long))
-            for row, i in enumerate(idx):
-                out[i] = emb[row].tolist()
+            out[idx] = emb[:len(idx)]
         return out
 
     def embed_texts(self, texts: list[str], query: bool = False) -> list[list[float]]:

@@ -1,9 +1,11 @@
 """Facts about the running host that an engine depends on; used by compile and by the guard."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,19 @@ def _tensorrt_version() -> str | None:
     return getattr(tensorrt, "__version__", None)
 
 
+# The kernel module's version line, e.g. "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  ..."
+PROC_DRIVER_VERSION = Path("/proc/driver/nvidia/version")
+_NVRM = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
+
+
 def _driver_version() -> str | None:
+    # The kernel module's file first: instant, where pynvml may be absent and nvidia-smi takes ~1 s.
+    try:
+        match = _NVRM.search(PROC_DRIVER_VERSION.read_text())
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
     try:
         import pynvml  # optional
 

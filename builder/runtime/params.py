@@ -13,6 +13,11 @@ HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 DEVICES = ("cpu", "cuda")
 # Inductor modes for the torch-inductor backend (autotuning happens once, at image build).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# mask: the model's own attention mask (any model; last-token pooling pads on the left).
+# causal: causal decoders only; pad on the right and let SDPA apply causality with no mask tensor
+# (its flash kernel; see causal_attention.py). Exact for the real tokens either way.
+ATTENTIONS = ("mask", "causal")
+CAUSAL_BACKENDS = ("torch-aot", "torch-inductor")
 # The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
 SEQ_BUCKET = 8
 
@@ -31,6 +36,7 @@ class EngineParams:
     model_dir: str | None = None
     model_name: str | None = None
     compile_mode: str = "default"
+    attention: str = "mask"
     shape_policy: str = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
     # TensorRT optimisation profile and builder options (recipe engine.tensorrt; ignored elsewhere).
     # opt values of 0 mean "max_batch" / "max_seq_len".
@@ -56,6 +62,11 @@ class EngineParams:
                              f"{', '.join(FLOAT_PRECISIONS)}")
         if self.compile_mode not in COMPILE_MODES:
             raise UsageError(f"--compile-mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        if self.attention not in ATTENTIONS:
+            raise UsageError(f"--attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention == "causal" and self.backend not in CAUSAL_BACKENDS:
+            raise UsageError(f"--attention causal is implemented for {', '.join(CAUSAL_BACKENDS)}, "
+                             f"not {self.backend}")
         if self.trt_hardware_compatibility not in HARDWARE_COMPATIBILITY:
             raise UsageError(f"--trt-hardware-compatibility must be one of {HARDWARE_COMPATIBILITY}, "
                              f"got {self.trt_hardware_compatibility!r}")
@@ -68,6 +79,11 @@ class EngineParams:
             raise UsageError(f"--max-batch must be in 1..4096, got {self.max_batch}")
         if not SEQ_BUCKET <= self.max_seq_len <= 32768:
             raise UsageError(f"--max-seq-len must be in {SEQ_BUCKET}..32768, got {self.max_seq_len}")
+
+    @property
+    def pad_left(self) -> bool:
+        """Last-token pooling pads on the left unless causal attention makes right padding exact."""
+        return self.pooling == "last" and self.attention == "mask"
 
     def to_dict(self) -> dict:
         return asdict(self)

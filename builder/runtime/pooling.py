@@ -37,9 +37,12 @@ class EmbeddingModule(nn.Module):
         return emb
 
 
-def load_body(model_dir: str, dtype: torch.dtype, device: str) -> nn.Module:
+def load_body(model_dir: str, dtype: torch.dtype, device: str, attention: str = "mask") -> nn.Module:
     from transformers import AutoModel
 
-    # sdpa exports cleanly and is what the eager reference uses too.
-    model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    from .causal_attention import attn_implementation, check_causal
+
+    model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation(attention))
+    if attention == "causal":
+        check_causal(model)
     return model.eval().to(device)

@@ -1,7 +1,8 @@
 """Tokenization shared by compile (reference texts) and the server, from tokenizer.json alone.
 
 Conventions follow the pooling: last-token pooling (Qwen3-Embedding style) appends the
-end-of-text token to every input and pads on the left; mean/cls pooling pads on the right.
+end-of-text token to every input and pads on the left (on the right with causal attention, see
+causal_attention.py); mean/cls pooling pads on the right.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class Batch:
 
 
 class TextEncoder:
-    def __init__(self, directory: str | Path, pooling: str, instruction: str | None = None):
+    def __init__(self, directory: str | Path, pooling: str, instruction: str | None = None,
+                 pad_left: bool | None = None):
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
@@ -44,7 +46,8 @@ class TextEncoder:
         if cfg_path.is_file():
             cfg = json.loads(cfg_path.read_text())
         self.instruction = instruction
-        self.pad_left = pooling == "last"
+        # Engine params decide (EngineParams.pad_left); by default last-token pooling pads left.
+        self.pad_left = pooling == "last" if pad_left is None else pad_left
         self.append_eos = pooling == "last"
         self.eos_id = self._find_id([_token_text(cfg.get("eos_token")), *EOS_CANDIDATES])
         if self.append_eos and self.eos_id is None:

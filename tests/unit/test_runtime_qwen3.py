@@ -126,3 +126,80 @@ def test_recompile_on_mismatch_into_cache(tiny_engine, tmp_path):
     got = Engine.open(served).embed_texts(ref["texts"])
     assert all(sum(a * b for a, b in zip(g, w, strict=True)) >= 0.999
                for g, w in zip(got, ref["embeddings"], strict=True))
+
+
+MIXED = ["hello", "paris is the capital of france and a large city with many museums", "the cat is on the tree"]
+
+
+def _padded_embeddings(tiny: Path, attention: str, pad_left: bool) -> tuple[list, list]:
+    """(batched embeddings with the given padding side, unpadded one-by-one embeddings) of MIXED."""
+    import torch
+
+    from builder.runtime.backends.torch_aot import build_module
+
+    params = EngineParams(backend="torch-inductor", pooling="last", attention=attention, max_batch=4, max_seq_len=32)
+    module = build_module(str(tiny), params, torch.float32, "cpu")
+    enc = TextEncoder(tiny, pooling="last", pad_left=pad_left)
+    seqs = enc.encode(MIXED)
+    batch = enc.pad(seqs, max(map(len, seqs)))
+    with torch.no_grad():
+        got = module(torch.tensor(batch.input_ids), torch.tensor(batch.attention_mask)).tolist()
+        alone = [module(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0].tolist() for s in seqs]
+    return got, alone
+
+
+def _min_cos(a, b) -> float:
+    return min(sum(x * y for x, y in zip(u, v, strict=True)) for u, v in zip(a, b, strict=True))
+
+
+def test_causal_attention_right_padded_batch_is_exact(tiny):
+    """attention 'causal' (no mask tensor, SDPA is_causal) with right padding embeds a mixed-length
+    batch like one text at a time, and like the model's own masked attention."""
+    got, alone = _padded_embeddings(tiny, "causal", pad_left=False)
+    assert _min_cos(got, alone) >= 0.99999
+    masked, _ = _padded_embeddings(tiny, "mask", pad_left=True)
+    assert _min_cos(got, masked) >= 0.99999
+    # The padding side is what makes it exact: left padding without a mask lets real tokens see pads.
+    wrong, _ = _padded_embeddings(tiny, "causal", pad_left=True)
+    assert _min_cos(wrong, alone) < 0.999
+
+
+def test_causal_attention_params_pad_right_and_graph_has_no_mask(tiny):
+    import torch
+
+    from builder.runtime.backends import torch_aot
+
+    params = EngineParams(backend="torch-inductor", pooling="last", attention="causal", max_batch=4, max_seq_len=32)
+    assert not params.pad_left and EngineParams(pooling="last").pad_left
+    exported, _ = torch_aot._export(torch_aot.build_module(str(tiny), params, torch.float32, "cpu"),
+                                    torch_aot.example_inputs(4, 16, "cpu", params.pad_left), params)
+    sdpa = [n for n in exported.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert sdpa and all(n.args[3] is None and n.args[5] is True for n in sdpa)  # attn_mask None, is_causal
+
+
+def test_causal_attention_refused_for_bidirectional_model(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    from builder.runtime.errors import UsageError
+    from builder.runtime.pooling import load_body
+
+    BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(UsageError, match="bidirectional"):
+        load_body(str(tmp_path / "bert"), __import__("torch").float32, "cpu", "causal")
+    with pytest.raises(UsageError, match="--attention causal is implemented for"):
+        EngineParams(backend="tensorrt", attention="causal")
+
+
+def test_causal_attention_engine_cli(tiny, tmp_path):
+    """The compile CLI with --attention causal: verified against the fp32 reference on mixed lengths."""
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps(MIXED))
+    proc = subprocess.run([sys.executable, "-m", "builder.runtime", "compile", "--model", str(tiny), "--out",
+                           str(tmp_path / "out"), "--backend", "torch-aot", "--pooling", "last", "--attention",
+                           "causal", "--max-batch", "4", "--max-seq-len", "32", "--reference-texts", str(texts)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["engine_min_cosine"] >= 0.9999
+    eng = Engine.open(tmp_path / "out")
+    assert eng.params.attention == "causal" and not eng.encoder.pad_left

@@ -13,6 +13,8 @@ from ..errors import UsageError
 # torch-inductor is the CUDA engine form that loads on the H200 (AOTInductor .pt2 segfaults there).
 BACKENDS = {"torch-aot": "torch_aot", "torch-inductor": "torch_inductor", "tensorrt": "tensorrt",
             "tensorrt-llm": "tensorrt_llm", "vllm": "vllm_backend"}
+# These serve through their own OpenAI server (exec_serve) after the guard, not through ours.
+BACKENDS_WITH_OWN_SERVER = ("tensorrt-llm", "vllm")
 
 
 def get_backend(name: str):

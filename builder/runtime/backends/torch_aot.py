@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,10 +22,10 @@ def version() -> str:
 
 
 def build_module(model_dir: str, params: EngineParams, dtype: torch.dtype, device: str) -> EmbeddingModule:
-    body = load_body(model_dir, dtype, device)
+    body = load_body(model_dir, dtype, device, params.attention)
     if hasattr(body.config, "use_cache"):
         body.config.use_cache = False  # no KV cache objects in an embedding graph
-    return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pooling == "last")
+    return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left)
 
 
 def _example(params: EngineParams, device: str, pad_left: bool):
@@ -66,7 +67,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     dtype = DTYPES[params.precision]
     module = build_module(model_dir, params, dtype, params.device)
-    example = _example(params, params.device, pad_left=params.pooling == "last")
+    example = _example(params, params.device, pad_left=params.pad_left)
     with torch.inference_mode(False), torch.no_grad():
         exported, dims = _export(module, example, params)
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT))
@@ -89,7 +90,8 @@ def load(engine_dir: str | Path, params: EngineParams):
 def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
     """fp32 eager embeddings, one text at a time (no padding), the ground truth for accuracy."""
     enc = TextEncoder(model_dir, params.pooling, params.instruction)
-    module = build_module(model_dir, params, torch.float32, "cpu")
+    # The model's own attention (no padding here): the reference does not depend on the engine's choice.
+    module = build_module(model_dir, replace(params, attention="mask"), torch.float32, "cpu")
     out = []
     with torch.no_grad():
         for ids in enc.encode(texts):

@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 import torch._inductor
 
+from ..causal_attention import attn_implementation
+from ..errors import UsageError
 from ..params import EngineParams
 from ..pooling import EmbeddingModule, load_body
 from . import torch_aot
@@ -53,6 +55,14 @@ DTYPES = torch_aot.DTYPES
 ENV_RUNTIME_CACHE = "MOPT_COMPILE_CACHE_DIR"  # where the loader puts its writable copy
 ENV_WARM_AT_LOAD = "MOPT_COMPILE_CACHE_WARM"  # 1: replay the warm-up shapes inside load()
 ENV_ARTIFACT = "MOPT_INDUCTOR_ARTIFACT"  # 0: neither write nor load the artifact (the cache form)
+# SDPA kernels the compiled graph may use, in order. cuDNN's is left out by default: it generates and
+# compiles a kernel plan for each new input shape at first use (a stall on every new request shape
+# with dynamic shapes; measured on the H200, see README). Benchmarks set the variable to compare.
+ENV_SDPA = "MOPT_SDPA_BACKENDS"
+SDPA_DEFAULT = "flash,efficient,math"
+SDPA_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH",
+              "cudnn": "CUDNN_ATTENTION"}
+
 INDUCTOR_ARTIFACT = "inductor-artifact.bin"
 GRAPH_FILE = "graph.json"
 GRAPH_TENSORS = "graph-tensors-{:05d}.safetensors"  # parameters, buffers and constants, by graph name
@@ -108,6 +118,21 @@ def _inductor_options(mode: str) -> dict:
     patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
     patches.pop("triton.cudagraphs", None)
     return {"config_patches": patches}
+
+
+def sdpa_backends() -> list[str]:
+    names = [n.strip() for n in os.environ.get(ENV_SDPA, SDPA_DEFAULT).split(",") if n.strip()]
+    unknown = [n for n in names if n not in SDPA_NAMES]
+    if unknown or not names:
+        raise UsageError(f"{ENV_SDPA}: {','.join(unknown) or '(empty)'} not among {', '.join(SDPA_NAMES)}")
+    return names
+
+
+def _sdpa_kernels():
+    """Context restricting which SDPA kernel tracing and compiling bake into the graph."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, SDPA_NAMES[n]) for n in sdpa_backends()], set_priority=True)
 
 
 def _graph_inputs(exported) -> list[dict]:
@@ -195,19 +220,19 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
         raise RuntimeError("max_batch 1: the artifact's graph needs a dynamic batch dim (the loader pads 1 row to 2)")
     # The example's sizes are the hints autotuning tunes GEMMs for: the largest batch, the one that
     # matters for throughput. Both dims stay dynamic (1..max_batch, 2..max_seq_len) in the graph.
-    example = torch_aot.example_inputs(params.max_batch, params.max_seq_len, params.device,
-                                       params.pooling == "last")
+    example = torch_aot.example_inputs(params.max_batch, params.max_seq_len, params.device, params.pad_left)
     t0 = time.monotonic()
-    with torch.no_grad():
+    with torch.no_grad(), _sdpa_kernels():
         exported, dims = torch_aot._export(module, example, params)
     t_export = time.monotonic() - t0
+    sdpa = [n for n in exported.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
     specs = _graph_inputs(exported)
     tensors = _graph_tensors(exported, module, specs)
     gm = exported.graph_module
     # The graph's own fake inputs carry the symbolic batch/sequence sizes; real tensors would specialise.
     fakes = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
     t1 = time.monotonic()
-    with torch.no_grad():
+    with torch.no_grad(), _sdpa_kernels():
         compiled = torch._inductor.standalone_compile(gm, fakes, dynamic_shapes="from_graph",
                                                       options=_inductor_options(params.compile_mode))
     t_compile = time.monotonic() - t1
@@ -225,7 +250,10 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
         raise RuntimeError(f"the loaded artifact disagrees with eager (cosine {cos:.4f})")
     return {"file": INDUCTOR_ARTIFACT, "bytes": (out_dir / INDUCTOR_ARTIFACT).stat().st_size,
             "export_dims": dims, "export_seconds": round(t_export, 3), "compile_seconds": round(t_compile, 3),
-            "check_cosine": round(cos, 6), "mode": params.compile_mode}
+            "check_cosine": round(cos, 6), "mode": params.compile_mode, "sdpa_backends": sdpa_backends(),
+            # attention "causal" must leave no mask tensor in the graph (else SDPA's flash kernel is out)
+            "sdpa_calls": len(sdpa),
+            "sdpa_with_mask": sum(1 for n in sdpa if len(n.args) > 3 and n.args[3] is not None)}
 
 
 def _warm(fn, params: EngineParams) -> list[dict]:
@@ -233,7 +261,7 @@ def _warm(fn, params: EngineParams) -> list[dict]:
     with torch.no_grad():
         for b, s in warmup_shapes(params):
             t = time.monotonic()
-            _call(fn, *torch_aot.example_inputs(b, s, params.device, params.pooling == "last"))
+            _call(fn, *torch_aot.example_inputs(b, s, params.device, params.pad_left))
             if params.device == "cuda":
                 torch.cuda.synchronize()
             done.append({"batch": b, "seq": s, "seconds": round(time.monotonic() - t, 3)})
@@ -276,6 +304,31 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
             "embedding_dim": int(module.body.config.hidden_size)}
 
 
+# Imported by the artifact's load (cProfile of a load on the H200): done in prepare(), they overlap hashing.
+PRELOAD_MODULES = ("torch._inductor.standalone_compile", "torch._inductor.codecache",
+                   "torch._inductor.output_code", "torch._inductor.async_compile", "torch._inductor.kernel",
+                   "torch._inductor.runtime.triton_heuristics", "torch._functorch._aot_autograd.aot_autograd_result",
+                   "triton.runtime.cache")
+
+
+def prepare(device: str) -> None:
+    """Start-up work that needs no engine file (the guard overlaps it with hashing): the artifact
+    loader's imports, and on CUDA no compile worker pool: the artifact's Triton kernels are compiled
+    already and starting the pool costs seconds (measured on the H200). On the CPU the artifact's
+    C++ kernels are built at load, where the pool helps."""
+    import importlib
+
+    import torch._inductor.config as inductor_config
+
+    for name in PRELOAD_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another torch version: the load imports what it needs itself
+            pass
+    if device == "cuda":
+        inductor_config.compile_threads = 1
+
+
 def runtime_cache_dir(engine_dir: Path) -> Path:
     base = os.environ.get(ENV_RUNTIME_CACHE) or tempfile.mkdtemp(prefix="mopt-inductor-")
     dest = Path(base) / "cache"
@@ -289,25 +342,27 @@ def runtime_cache_dir(engine_dir: Path) -> Path:
 def _module(engine_dir: Path, params: EngineParams, tensors: dict[str, torch.Tensor] | None = None):
     """The nn.Module, for the torch.compile paths: from weights/, or from the config + graph tensors."""
     if tensors is None:
-        body = load_body(str(engine_dir / WEIGHTS_SUBDIR), DTYPES[params.precision], params.device)
+        body = load_body(str(engine_dir / WEIGHTS_SUBDIR), DTYPES[params.precision], params.device, params.attention)
     else:
         from transformers import AutoConfig, AutoModel
 
         config = AutoConfig.from_pretrained(str(engine_dir / WEIGHTS_SUBDIR))
         with torch.device(params.device):
-            body = AutoModel.from_config(config, dtype=DTYPES[params.precision], attn_implementation="sdpa")
+            body = AutoModel.from_config(config, dtype=DTYPES[params.precision],
+                                         attn_implementation=attn_implementation(params.attention))
         state = {k.removeprefix("body."): v for k, v in tensors.items() if k.startswith("body.")}
         body.load_state_dict(state, strict=False)  # non-persistent buffers are rebuilt by the constructor
         body.eval()
     if hasattr(body.config, "use_cache"):
         body.config.use_cache = False
-    return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pooling == "last").eval()
+    return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left).eval()
 
 
 def load(engine_dir: str | Path, params: EngineParams):
     from torch._inductor.standalone_compile import CompiledArtifact
 
     engine_dir = Path(engine_dir)
+    prepare(params.device)
     _point_caches(runtime_cache_dir(engine_dir))
     global LAST_LOAD_PATH
     fn, tensors = None, None
@@ -322,6 +377,9 @@ def load(engine_dir: str | Path, params: EngineParams):
                 log.warning("the Inductor artifact did not load (%s: %s); compiling with torch.compile at first "
                             "call (minutes on a GPU)", type(exc).__name__, exc)
     if fn is None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = inductor_config.decide_compile_threads()  # compiling after all
         compiled = _compiled(_module(engine_dir, params, tensors))
         fn = lambda ids, mask: _call_dynamic(compiled, ids, mask)  # noqa: E731
         LAST_LOAD_PATH = "cache" if (engine_dir / CACHE_SUBDIR).is_dir() else "jit"
