@@ -36,6 +36,7 @@ class EngineParams:
     seq_buckets: tuple[int, ...]
     tensorrt: dict
     compile_mode: str = "default"  # torch-inductor: Inductor mode, autotuning done at build time
+    attention: str = "mask"  # torch-aot/torch-inductor: "causal" pads right and needs no mask tensor
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
             seq_buckets=tuple(engine.get("seq_buckets", ())),
             tensorrt=dict(trt),
             compile_mode=engine.get("compile_mode", "default"),
+            attention=engine.get("attention", "mask"),
         ),
         serve_command=tuple(serve["command"]),
         port=serve["port"],

@@ -157,7 +157,7 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         "engine": {"max_batch": recipe.engine.max_batch, "max_seq_len": recipe.engine.max_seq_len,
                    "precision": recipe.precision_for(variant.device), "shapes": recipe.engine.shapes,
                    "pooling": recipe.pooling, "normalize": recipe.normalize,
-                   "compile_mode": recipe.engine.compile_mode},
+                   "compile_mode": recipe.engine.compile_mode, "attention": recipe.engine.attention},
         "smoke": {"inputs": list(recipe.smoke_inputs), "min_cosine": recipe.min_cosine,
                   "start_timeout_s": recipe.start_timeout_s, "port": recipe.port},
         "context": {"mopt_runtime": runtime_digest},

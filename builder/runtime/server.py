@@ -5,17 +5,14 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import signal
 import struct
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .batcher import Batcher
-from .errors import UsageError
 from .metrics import Metrics
 
 try:  # optional (installed in the images): float vectors dominate responses; orjson writes them ~10x faster
@@ -24,7 +21,6 @@ except ImportError:
     orjson = None
 
 log = logging.getLogger(__name__)
-ENV_SWITCH_INTERVAL_MS = "MOPT_SWITCH_INTERVAL_MS"  # Python's GIL switch interval in the server, ms
 
 
 def dumps(body) -> bytes:
@@ -246,14 +242,6 @@ def make_server(service: EmbeddingService, host: str, port: int) -> ThreadingHTT
 
 
 def serve(service: EmbeddingService, host: str, port: int) -> None:
-    switch_ms = os.environ.get(ENV_SWITCH_INTERVAL_MS)
-    if switch_ms:
-        # The batcher thread gives up the GIL at every kernel launch; a shorter switch interval
-        # bounds how long request threads keep it from getting it back.
-        try:
-            sys.setswitchinterval(float(switch_ms) / 1000.0)
-        except ValueError:
-            raise UsageError(f"{ENV_SWITCH_INTERVAL_MS}={switch_ms!r}: expected a positive number of ms") from None
     server = make_server(service, host, port)
 
     def _stop(signum, _frame):

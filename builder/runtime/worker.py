@@ -14,6 +14,7 @@ Protocol over a multiprocessing pipe: the worker sends ("ready", engine_dir, eng
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 from array import array
 from pathlib import Path
@@ -26,6 +27,9 @@ from .tokenization import TextEncoder
 
 def _worker_main(out_dir: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process handles Ctrl-C and SIGTERM
+    # No TorchScript is served, but importing Inductor compiles torch.utils.mkldnn's script methods:
+    # 1-1.5 s of a start on the H200 (cProfile of the artifact load). Before torch is imported.
+    os.environ.setdefault("PYTORCH_JIT", "0")
     try:
         from .engine import Engine
         from .guard import resolve

@@ -32,11 +32,11 @@ def _bench():
     return mod
 
 
-def _compile(tmp_path_factory, name: str, **env):
+def _compile(tmp_path_factory, name: str, attention: str = "mask", **env):
     tiny = make_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "model", seed=0)
     out = tmp_path_factory.mktemp(name) / "out"
     params = EngineParams(backend="torch-inductor", max_batch=4, max_seq_len=32, pooling="last",
-                          model_dir=str(tiny))
+                          model_dir=str(tiny), attention=attention)
     with pytest.MonkeyPatch.context() as patch:  # module-scoped fixtures cannot take monkeypatch
         for key, value in env.items():
             patch.setenv(key, value)
@@ -46,7 +46,8 @@ def _compile(tmp_path_factory, name: str, **env):
 
 @pytest.fixture(scope="module")
 def artifact_engine(tmp_path_factory):
-    return _compile(tmp_path_factory, "artifact")
+    # As qwen3-embed's CUDA flavour compiles it: causal attention, SDPA without cuDNN.
+    return _compile(tmp_path_factory, "artifact", attention="causal")
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,10 @@ def test_artifact_engine_loads_without_tracing_and_matches_reference(artifact_en
     assert not any(f.startswith("inductor-cache/") for f in files)  # the artifact carries what it needs
     manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
     assert manifest["form"] == "artifact" and manifest["artifact"]["check_cosine"] >= 0.99
+    # Causal attention left no mask tensor in the graph, and cuDNN's SDPA was not allowed in.
+    assert manifest["artifact"]["sdpa_calls"] == 2 and manifest["artifact"]["sdpa_with_mask"] == 0
+    assert manifest["artifact"]["sdpa_backends"] == ["flash", "efficient", "math"]
+    assert data["params"]["attention"] == "causal" and not Engine.open(out).encoder.pad_left
     monkeypatch.setenv("MOPT_COMPILE_CACHE_DIR", str(tmp_path / "rt"))
     # Dynamo must not run at all on this path: make any attempt to trace fail loudly.
     monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("torch.compile called on the artifact path"))
@@ -169,10 +174,24 @@ def test_single_row_is_padded_to_two_rows():
     assert mod.warmup_shapes(EngineParams(max_batch=64, max_seq_len=512)) == [(2, 16)]
 
 
+def test_sdpa_backends_from_the_environment(monkeypatch):
+    from builder.runtime.errors import UsageError
+
+    mod = get_backend("torch-inductor")
+    monkeypatch.delenv(mod.ENV_SDPA, raising=False)
+    assert mod.sdpa_backends() == ["flash", "efficient", "math"]
+    monkeypatch.setenv(mod.ENV_SDPA, "cudnn, flash")
+    assert mod.sdpa_backends() == ["cudnn", "flash"]
+    monkeypatch.setenv(mod.ENV_SDPA, "flash,tensorcores")
+    with pytest.raises(UsageError, match="MOPT_SDPA_BACKENDS: tensorcores not among"):
+        mod.sdpa_backends()
+
+
 def test_bench_arguments_and_qwen3_config():
     bench = _bench()
     a = bench.parse_args(["--out", "x"])
     assert (a.layers, a.batch, a.seq, a.precision, a.device) == (28, 64, 512, "bf16", "cuda")
+    assert a.engines == "default/causal" and set(bench.VARIANTS) == {"cudnn"}
     cfg = bench.model_config(a.layers)
     assert cfg == {"vocab_size": 151669, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6,

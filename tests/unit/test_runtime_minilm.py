@@ -332,3 +332,78 @@ def test_serve_cli_answers_then_stops_on_sigterm(engine):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- the engine in a worker process (serve's default) ----------------------------------------
+
+@pytest.fixture(scope="module")
+def worker(engine):
+    from builder.runtime.worker import EngineProcess
+
+    proc = EngineProcess(engine[0]).start()
+    yield proc
+    proc.close()
+
+
+def test_worker_embeds_like_the_engine_in_process(worker, engine):
+    from builder.runtime.engine import Engine
+
+    local = Engine.open(engine[0])
+    seqs = local.encoder.encode(TEXTS + ["a much longer text about the capital of france and its museums"])
+    got, want = worker.embed_ids(seqs), local.embed_ids(seqs)
+    assert len(got) == len(want) == 4 and all(len(v) == 384 for v in got)
+    assert max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)) < 1e-5
+    assert worker.dim == 384 and worker.params.max_seq_len == 64 and worker.info["backend"] == "torch-aot"
+    assert worker.encoder.encode(["hi"]) == local.encoder.encode(["hi"])
+
+
+def test_worker_fails_a_bad_batch_and_lives_on(worker, engine):
+    with pytest.raises(RuntimeError, match="exceed the engine's max_seq_len 64"):
+        worker.embed_ids([[101] * 65])
+    assert worker.alive() and len(worker.embed_ids([[101, 7592, 102]])[0]) == 384
+
+
+def test_service_reports_a_dead_worker(engine):
+    from builder.runtime.server import ApiError, EmbeddingService, ServerLimits
+    from builder.runtime.worker import EngineProcess
+
+    proc = EngineProcess(engine[0]).start()
+    service = EmbeddingService(proc, ServerLimits(max_batch=8, max_wait_ms=1))
+    try:
+        assert service.health()["status"] == "ok"
+        proc._proc.kill()
+        proc._proc.join(10)
+        with pytest.raises(ApiError) as err:
+            service.health()
+        assert err.value.status == 503
+        with pytest.raises(RuntimeError, match="engine process is gone"):
+            proc.embed_ids([[101, 102]])
+    finally:
+        service.close()
+
+
+def test_serve_cli_without_engine_process(engine):
+    """--no-engine-process: the engine in the server process, as before the worker existed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "builder.runtime", "serve", "--engine-dir", str(engine[0]),
+                             "--host", "127.0.0.1", "--port", str(port), "--no-engine-process"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["event"] == "serving", proc.stderr.read()
+        status, body = call(f"http://127.0.0.1:{port}", "/v1/embeddings", {"input": ["hi", "a cat"]})
+        assert status == 200 and [len(d["embedding"]) for d in body["data"]] == [384, 384]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_guard_times_its_overlapped_parts(engine):
+    from builder.runtime import guard
+
+    guard.check(engine[0])
+    assert set(guard.LAST_CHECK_SECONDS) == {"host_facts", "integrity"}  # torch-aot has no prepare step
+    assert all(v >= 0 for v in guard.LAST_CHECK_SECONDS.values())

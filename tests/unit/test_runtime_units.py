@@ -201,3 +201,27 @@ def test_metrics_render():
                  "mopt_request_latency_seconds_count 2", 'mopt_batch_size_bucket{le="2"} 0',
                  'mopt_batch_size_bucket{le="4"} 1'):
         assert line in text.splitlines(), line
+
+
+@pytest.mark.parametrize("line, version", [
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (builder@U16)",
+     "580.159.04"),
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024", "535.183.01"),
+])
+def test_driver_version_from_the_kernel_module_file(tmp_path, monkeypatch, line, version):
+    from builder.runtime import hostinfo
+
+    path = tmp_path / "version"
+    path.write_text(line + "\nGCC version:  gcc version 12.2.0\n")
+    monkeypatch.setattr(hostinfo, "PROC_DRIVER_VERSION", path)
+    assert hostinfo._driver_version() == version
+
+
+def test_server_writes_the_same_json_with_or_without_orjson(monkeypatch):
+    pytest.importorskip("orjson", reason="orjson is a runtime dependency (pyproject's runtime extra)")
+    from builder.runtime import server
+
+    body = {"object": "list", "data": [{"embedding": [0.1, -2.5e-07, 1.0, 3.0000000000000004]}], "n": None}
+    fast = server.dumps(body)
+    monkeypatch.setattr(server, "orjson", None)
+    assert json.loads(fast) == json.loads(server.dumps(body)) == body

@@ -16,5 +16,6 @@ exec python -m mopt_runtime compile \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
   --target-sm 90 \
   --compile-mode default \
+  --attention causal \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json
