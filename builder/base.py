@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from builder.dockerclient import DockerCli, run_docker
@@ -41,6 +41,7 @@ DEFAULT_CHANGES = (
     'CMD ["/bin/bash"]',
 )
 LABEL_KEY = "io.mopt.base.key"
+LABEL_ROOTFS_SHA = "io.mopt.base.rootfs.sha256"
 
 MMDEBSTRAP_VARIANTS = frozenset({"extract", "custom", "essential", "apt", "required", "minbase",
                                  "buildd", "important", "debootstrap", "standard"})
@@ -342,7 +343,14 @@ def ensure_base(spec: BaseSpec, state_dir: str | os.PathLike[str], docker: Docke
                 _ensure_tag(docker, state["image_id"], spec.name, log)
                 log(f"base {spec.name}: up to date (key {key[:12]}, image {state['image_id'][:19]}); "
                     "nothing to build")
-                return BaseImage.from_json(state, reused=True)
+                image = BaseImage.from_json(state, reused=True)
+                if not image.rootfs_sha256:  # a state recorded without it (recovered by an older mopt)
+                    info = _image_info(docker, state["image_id"]) or {}
+                    labels = (info.get("Config") or {}).get("Labels") or {}
+                    if labels.get(LABEL_ROOTFS_SHA):
+                        image = replace(image, rootfs_sha256=labels[LABEL_ROOTFS_SHA])
+                        _write_state(spath, image)
+                return image
             log(f"base {spec.name}: state names image {state['image_id'][:19]} which is gone; rebuilding")
 
         info = _image_info(docker, spec.name)
@@ -352,7 +360,7 @@ def ensure_base(spec: BaseSpec, state_dir: str | os.PathLike[str], docker: Docke
                               epoch=spec.epoch, created_seconds=time.time(),
                               size_bytes=int(info.get("Size") or 0), suite=spec.suite,
                               variant=spec.variant, mirror=spec.mirror, tool="unknown (state recovered)",
-                              rootfs_sha256=labels.get("io.mopt.base.rootfs.sha256", ""), reused=True)
+                              rootfs_sha256=labels.get(LABEL_ROOTFS_SHA, ""), reused=True)
             _write_state(spath, image)
             log(f"base {spec.name}: image already has key {key[:12]}; recorded state, nothing to build")
             return image
@@ -392,7 +400,7 @@ def _build(spec: BaseSpec, spath: Path, docker: DockerCli, log: Log, tool: str |
             f"(sha256 {rootfs_sha[:12]}) in {t_rootfs:.0f}s; importing")
         changes = [*spec.changes, f"LABEL {LABEL_KEY}={key}", f"LABEL io.mopt.base.epoch={spec.epoch}",
                    f"LABEL io.mopt.base.suite={spec.suite}",
-                   f"LABEL io.mopt.base.rootfs.sha256={rootfs_sha}"]
+                   f"LABEL {LABEL_ROOTFS_SHA}={rootfs_sha}"]
         argv = ["import"]
         for c in changes:
             argv += ["--change", c]
