@@ -1,6 +1,7 @@
 """Served vs raw engine on the same texts, side by side, on any engine directory:
 
-    .venv/bin/python benchmarks/server_bench.py --engine-dir DIR [--clients 16] [--requests 8]
+    .venv/bin/python benchmarks/server_bench.py --engine-dir DIR [--clients 16] [--requests 8] [--format base64]
+        [--no-engine-process]
     .venv/bin/python benchmarks/server_bench.py --tiny            # compiles a tiny Qwen3 cpu engine first
 
 Raw: the engine in-process (tokenise + embed, max_batch texts per call). Served: `python -m
@@ -30,6 +31,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--seq", type=int, default=512, help="texts are at most seq/2 words")
     p.add_argument("--port", type=int, default=18080)
+    p.add_argument("--format", choices=("float", "base64"), default="float", help="response encoding_format")
+    p.add_argument("--no-engine-process", action="store_true", help="serve with the engine in the server process")
     p.add_argument("--out", default=None, help="also write the result JSON here")
     a = p.parse_args()
     if not a.engine_dir and not a.tiny:
@@ -44,7 +47,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "builder.runtime", "compile", "--model", str(model), "--out",
                         str(engine), "--backend", "torch-aot", "--max-batch", "64", "--max-seq-len", "512",
                         "--pooling", "last"], cwd=REPO, check=True, capture_output=True)
-    res = server_bench(engine, a, port=a.port)
+    res = server_bench(engine, a, a.format, in_process=a.no_engine_process, port=a.port)
     res["engine"] = json.loads((engine / "engine.json").read_text())["backend"]
     print(json.dumps(res, indent=2))
     if a.out:
