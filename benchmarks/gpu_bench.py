@@ -218,7 +218,8 @@ def jit(model_dir: Path, a, spec: str) -> dict:
     out = {"mode": mode, "attention": attention or "mask", "warmup_s": round(warm, 1),
            "jit_tok_s": round(a.batch * a.seq / dt)}
     torch._dynamo.reset()
-    torch.cuda.empty_cache() if a.device == "cuda" else None
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

@@ -10,6 +10,12 @@ from .params import SEQ_BUCKET, EngineParams
 from .tokenization import TextEncoder
 
 
+def engine_encoder(out_dir: str | Path, params: EngineParams) -> TextEncoder:
+    """The tokenizer shipped in an engine dir, padding the way the engine's params say."""
+    engine_dir = Path(out_dir) / fingerprint.ENGINE_SUBDIR
+    return TextEncoder(engine_dir, params.pooling, params.instruction, params.pad_left)
+
+
 def bucket_len(n: int, max_seq_len: int) -> int:
     # Round up to a multiple of SEQ_BUCKET (>= 2: the export's lower bound), capped at max_seq_len.
     return min(max(SEQ_BUCKET, -(-n // SEQ_BUCKET) * SEQ_BUCKET), max_seq_len)
@@ -29,10 +35,8 @@ class Engine:
     @classmethod
     def from_info(cls, out_dir: str | Path, info: dict, params: EngineParams | None = None) -> Engine:
         params = params or EngineParams.from_dict(info["params"])
-        engine_dir = Path(out_dir) / fingerprint.ENGINE_SUBDIR
-        encoder = TextEncoder(engine_dir, params.pooling, params.instruction, params.pad_left)
-        run = get_backend(params.backend).load(engine_dir, params)
-        return cls(params, encoder, run, info)
+        run = get_backend(params.backend).load(Path(out_dir) / fingerprint.ENGINE_SUBDIR, params)
+        return cls(params, engine_encoder(out_dir, params), run, info)
 
     @property
     def dim(self) -> int:

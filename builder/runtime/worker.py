@@ -19,7 +19,7 @@ import signal
 from array import array
 from pathlib import Path
 
-from . import fingerprint
+from .engine import engine_encoder
 from .errors import RuntimeToolError
 from .params import EngineParams
 from .tokenization import TextEncoder
@@ -87,8 +87,7 @@ class EngineProcess:
             raise err
         _, engine_dir, self.info = msg
         self.params = EngineParams.from_dict(self.info["params"])
-        self.encoder = TextEncoder(Path(engine_dir) / fingerprint.ENGINE_SUBDIR, self.params.pooling,
-                                   self.params.instruction, self.params.pad_left)
+        self.encoder = engine_encoder(engine_dir, self.params)
         return self
 
     @property

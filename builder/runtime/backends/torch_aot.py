@@ -22,7 +22,11 @@ def version() -> str:
 
 
 def build_module(model_dir: str, params: EngineParams, dtype: torch.dtype, device: str) -> EmbeddingModule:
-    body = load_body(model_dir, dtype, device, params.attention)
+    return wrap_body(load_body(model_dir, dtype, device, params.attention), params)
+
+
+def wrap_body(body, params: EngineParams) -> EmbeddingModule:
+    """A transformers body as the embedding module the engine params describe."""
     if hasattr(body.config, "use_cache"):
         body.config.use_cache = False  # no KV cache objects in an embedding graph
     return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left)

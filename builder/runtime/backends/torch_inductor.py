@@ -43,7 +43,7 @@ import torch._inductor
 from ..causal_attention import attn_implementation
 from ..errors import UsageError
 from ..params import EngineParams
-from ..pooling import EmbeddingModule, load_body
+from ..pooling import EmbeddingModule
 from . import torch_aot
 
 ARTIFACT = "compile_cache.json"
@@ -342,20 +342,17 @@ def runtime_cache_dir(engine_dir: Path) -> Path:
 def _module(engine_dir: Path, params: EngineParams, tensors: dict[str, torch.Tensor] | None = None):
     """The nn.Module, for the torch.compile paths: from weights/, or from the config + graph tensors."""
     if tensors is None:
-        body = load_body(str(engine_dir / WEIGHTS_SUBDIR), DTYPES[params.precision], params.device, params.attention)
-    else:
-        from transformers import AutoConfig, AutoModel
+        return torch_aot.build_module(str(engine_dir / WEIGHTS_SUBDIR), params, DTYPES[params.precision],
+                                      params.device).eval()
+    from transformers import AutoConfig, AutoModel
 
-        config = AutoConfig.from_pretrained(str(engine_dir / WEIGHTS_SUBDIR))
-        with torch.device(params.device):
-            body = AutoModel.from_config(config, dtype=DTYPES[params.precision],
-                                         attn_implementation=attn_implementation(params.attention))
-        state = {k.removeprefix("body."): v for k, v in tensors.items() if k.startswith("body.")}
-        body.load_state_dict(state, strict=False)  # non-persistent buffers are rebuilt by the constructor
-        body.eval()
-    if hasattr(body.config, "use_cache"):
-        body.config.use_cache = False
-    return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left).eval()
+    config = AutoConfig.from_pretrained(str(engine_dir / WEIGHTS_SUBDIR))
+    with torch.device(params.device):
+        body = AutoModel.from_config(config, dtype=DTYPES[params.precision],
+                                     attn_implementation=attn_implementation(params.attention))
+    state = {k.removeprefix("body."): v for k, v in tensors.items() if k.startswith("body.")}
+    body.load_state_dict(state, strict=False)  # non-persistent buffers are rebuilt by the constructor
+    return torch_aot.wrap_body(body, params).eval()
 
 
 def load(engine_dir: str | Path, params: EngineParams):
