@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import fingerprint
 from .backends import get_backend
-from .errors import CompileError, UsageError
+from .errors import CompileError, RuntimeToolError, UsageError
 from .hostinfo import host_facts
 from .params import EngineParams
 from .tokenization import copy_tokenizer_files
@@ -62,6 +62,8 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
     started = time.monotonic()
     try:
         info = backend.compile(str(model_dir), params, staging)
+    except RuntimeToolError:  # the backend's own verdict (e.g. bad input: exit 2) keeps its exit code
+        raise
     except Exception as exc:
         raise CompileError(f"{params.backend} compile of {model_dir} failed: "
                            f"{type(exc).__name__}: {exc}") from exc

@@ -407,3 +407,17 @@ def test_guard_times_its_overlapped_parts(engine):
     guard.check(engine[0])
     assert set(guard.LAST_CHECK_SECONDS) == {"host_facts", "integrity"}  # torch-aot has no prepare step
     assert all(v >= 0 for v in guard.LAST_CHECK_SECONDS.values())
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--backend", "torch-aot", "--attention", "causal"], {}, "its attention is bidirectional"),
+    (["--backend", "torch-inductor"], {"MOPT_SDPA_BACKENDS": "flash,bogus"}, "MOPT_SDPA_BACKENDS: bogus not among"),
+])
+def test_compile_cli_bad_input_exits_2_without_an_engine(tmp_path, args, env, message):
+    """Bad input found inside the backend keeps exit 2 (not the compile failure's 4), one line, no engine.json."""
+    out = tmp_path / "out"
+    proc = runtime_cli("compile", "--model", str(minilm_dir()), "--out", str(out), "--max-batch", "4",
+                       "--max-seq-len", "32", "--pooling", "mean", *args, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (out / "engine.json").exists() and not (out / "engine").exists()

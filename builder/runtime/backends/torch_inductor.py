@@ -270,6 +270,7 @@ def _warm(fn, params: EngineParams) -> list[dict]:
 
 def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
+    sdpa_backends()  # a bad MOPT_SDPA_BACKENDS is the user's error (exit 2), not a reason to fall back
     dtype = DTYPES[params.precision]
     module = torch_aot.build_module(model_dir, params, dtype, params.device)
     cache = out_dir / CACHE_SUBDIR
