@@ -34,8 +34,14 @@ QWEN3_06B = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, nu
 TINY = dict(QWEN3_06B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
 BACKEND = "torch-inductor"
-# Engine variants: environment of the compile step (knobs of the torch-inductor backend).
-VARIANTS = {"cudnn": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}}
+# Engine variants: the backend (torch-inductor unless said) and the environment of the compile step.
+# aot: the AOTInductor .pt2. CXX=g++: that machine's CXX names a separate GCC (/opt/gcc) whose link puts
+# a libstdc++ of its own into the .so, which then crashes at load (benchmarks/aoti_probe.py); the
+# images' g++ is the distribution's.
+VARIANTS = {"cudnn": {"env": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}},
+            "aot": {"backend": "torch-aot", "env": {"CXX": "g++"}}}
+# Fresh processes that measure a start run as serve's engine worker does (no TorchScript: worker.py).
+CHILD_ENV = {"PYTORCH_JIT": "0"}
 
 
 def parse_args(argv=None):
@@ -125,8 +131,9 @@ eng = Engine.from_info(engine_dir, info)
 t_open = time.monotonic() - t0
 first = eng.embed_texts(["hello world"])
 t_first = time.monotonic() - t0
-import builder.runtime.backends.torch_inductor as tcc
-res = {"load_path": tcc.LAST_LOAD_PATH, "import_torch_s": round(t_import, 2), "first_embedding_s": round(t_first, 2),
+inductor = sys.modules.get("builder.runtime.backends.torch_inductor")  # imported by the load if it is used
+res = {"load_path": getattr(inductor, "LAST_LOAD_PATH", info["backend"]), "import_torch_s": round(t_import, 2),
+       "first_embedding_s": round(t_first, 2),
        "beyond_import_s": round(t_first - t_import, 2), "guard_s": round(t_guard - t_import, 2),
        "load_s": round(t_open - t_guard, 2),
        "dim": len(first[0])}
@@ -158,7 +165,7 @@ print("CHILD " + json.dumps(res), flush=True)
 
 def child(engine_dir: Path, *extra: str, timeout=600, env=None) -> dict:
     p = subprocess.run([sys.executable, "-c", COLD_CHILD, str(engine_dir), *extra], cwd=REPO, capture_output=True,
-                       text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                       text=True, timeout=timeout, env={**os.environ, **CHILD_ENV, **(env or {})})
     for line in p.stdout.splitlines():
         if line.startswith("CHILD "):
             return json.loads(line[6:])
@@ -269,7 +276,7 @@ def kernel_profile(target: str, a, model_dir: Path | None = None) -> dict:
 def start_steps(engine_dir: Path) -> dict:
     """benchmarks/start_breakdown.py on the engine, with a cProfile of the backend load."""
     p = subprocess.run([sys.executable, "benchmarks/start_breakdown.py", str(engine_dir), "--profile-load"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **CHILD_ENV})
     if p.returncode != 0:
         return {"error": p.stderr[-1500:]}
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -416,18 +423,24 @@ def main(argv=None) -> int:
     section("eager", lambda: eager(model_dir, a), 30)
 
     def compile_step(mode: str, attention: str, variant: str, dest: Path):
-        p, secs = cli("compile", "--model", str(model_dir), "--out", str(dest), "--backend", BACKEND,
+        spec = VARIANTS.get(variant, {})
+        p, secs = cli("compile", "--model", str(model_dir), "--out", str(dest), "--backend",
+                      spec.get("backend", BACKEND),
                       "--device", a.device, "--precision", a.precision, "--max-batch", str(a.batch),
                       "--max-seq-len", str(a.seq), "--pooling", "last", "--no-verify", "--compile-mode", mode,
                       "--attention", attention, *(["--target-sm", "90"] if a.device == "cuda" else []),
-                      timeout=max(60, a.deadline_s - (time.monotonic() - t_start)), env=VARIANTS.get(variant))
+                      timeout=max(60, a.deadline_s - (time.monotonic() - t_start)), env=spec.get("env"))
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-2000:])
         info = json.loads((dest / "engine.json").read_text())
-        keep = ("target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256")
-        manifest = json.loads((dest / "engine" / "compile_cache.json").read_text())
-        return {"wall_s": secs, **{k: info[k] for k in keep}, "form": manifest.get("form"),
-                "artifact": manifest.get("artifact")}
+        keep = ("backend", "target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256")
+        out = {"wall_s": secs, **{k: info[k] for k in keep},
+               "engine_bytes": sum(f.stat().st_size for f in (dest / "engine").rglob("*") if f.is_file())}
+        manifest = dest / "engine" / "compile_cache.json"  # torch-inductor's
+        if manifest.is_file():
+            data = json.loads(manifest.read_text())
+            out.update(form=data.get("form"), artifact=data.get("artifact"))
+        return out
 
     engines = {}
     for i, key in enumerate(a.engines.split(",")):
@@ -448,6 +461,8 @@ def main(argv=None) -> int:
             section(f"profile[{key}]", lambda dest=dest: kernel_profile(str(dest), a), 40)
     first_key, engine = next(iter(engines.items()))
     attention = first_key.split("/")[1]
+    first_backend = VARIANTS.get((first_key.split("/") + ["", ""])[2], {}).get("backend", BACKEND)
+    first_env = VARIANTS.get((first_key.split("/") + ["", ""])[2], {}).get("env")
     skip = set(a.skip.split(",")) - {""}
     if "start" not in skip:
         section("cold[again]", lambda: child(engine), 30)  # a second fresh process: the spread of the figure
@@ -466,9 +481,10 @@ def main(argv=None) -> int:
         for prec in a.accuracy_precisions.split(","):
             if a.device == "cpu" and prec != "fp32":
                 continue
-            p, secs = cli("compile", "--model", str(tiny), "--out", str(work / f"acc-{prec}"), "--backend", BACKEND,
-                          "--device", a.device, "--precision", prec, "--max-batch", "8", "--max-seq-len", "64",
-                          "--pooling", "last", "--attention", attention, "--reference-texts", str(work / "texts.json"))
+            p, secs = cli("compile", "--model", str(tiny), "--out", str(work / f"acc-{prec}"), "--backend",
+                          first_backend, "--device", a.device, "--precision", prec, "--max-batch", "8",
+                          "--max-seq-len", "64", "--pooling", "last", "--attention", attention,
+                          "--reference-texts", str(work / "texts.json"), env=first_env)
             if p.returncode != 0:
                 rows.append({"precision": prec, "error": p.stderr[-800:]})
                 continue
@@ -477,9 +493,10 @@ def main(argv=None) -> int:
             from builder.runtime.engine import Engine
             got = Engine.open(work / f"acc-{prec}").embed_texts(texts)  # one padded batch of mixed lengths
             cos = [cosine(x, y) for x, y in zip(got, ref["embeddings"], strict=True)]
-            rows.append({"precision": prec, "attention": attention, "cos_min": round(min(cos), 6),
+            rows.append({"precision": prec, "backend": first_backend, "attention": attention,
+                         "cos_min": round(min(cos), 6),
                          "cos_mean": round(sum(cos) / len(cos), 6), "compile_wall_s": secs})
-        rows.append({"precision": "fp8", "error": "not offered: torch-inductor has no fp8 path"})
+        rows.append({"precision": "fp8", "error": f"not offered: {first_backend} has no fp8 path"})
         return rows
     if "guard" not in skip:
         section("guard", lambda: guard_cases(engine, work), 30)

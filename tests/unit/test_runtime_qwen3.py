@@ -203,3 +203,41 @@ def test_causal_attention_engine_cli(tiny, tmp_path):
     assert json.loads(proc.stdout)["engine_min_cosine"] >= 0.9999
     eng = Engine.open(tmp_path / "out")
     assert eng.params.attention == "causal" and not eng.encoder.pad_left
+
+
+STATIC_LIBSTDCXX_CXX = """#!/bin/sh
+# g++, but a shared-library link carries a libstdc++ of its own (what the H200 machine's compiler did)
+case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ ;; esac
+exec g++ "$@"
+"""
+
+
+def test_torch_aot_package_that_does_not_load_fails_the_compile(tiny, tmp_path):
+    """A .so with its own libstdc++ (the cause of the CUDA .pt2 crash on the H200 machine) fails in
+    the load check of the compile step, exit 4, with the cause named; no engine.json is written."""
+    cxx = tmp_path / "g++-static-libstdcxx"
+    cxx.write_text(STATIC_LIBSTDCXX_CXX)
+    cxx.chmod(0o755)
+    env = dict(os.environ, CXX=str(cxx), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
+    proc = subprocess.run([sys.executable, "-m", "builder.runtime", "compile", "--model", str(tiny), "--out",
+                           str(tmp_path / "out"), "--backend", "torch-aot", "--pooling", "last", "--max-batch", "2",
+                           "--max-seq-len", "16", "--no-verify"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "does not load: a fresh process loading it" in proc.stderr
+    assert f"the C++ compiler ({cxx}) linked a libstdc++ of its own" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "engine.json").exists()
+
+
+def test_torch_aot_load_needs_no_inductor_import(tiny_engine):
+    """The serve path of a torch-aot engine: guard, load, first embedding without importing
+    torch._inductor or Dynamo (their imports are seconds of a GPU start)."""
+    code = ("import sys; from builder.runtime.engine import Engine; from builder.runtime.guard import resolve\n"
+            "d, info = resolve(sys.argv[1]); e = Engine.from_info(d, info); v = e.embed_texts(['hello world'])\n"
+            "print(info['backend'], len(v[0]), sorted(m for m in ('torch._inductor', 'torch._dynamo') "
+            "if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_engine)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["torch-aot", "64", "[]"]

@@ -41,9 +41,10 @@ import torch
 import torch._inductor
 
 from ..causal_attention import attn_implementation
-from ..errors import UsageError
 from ..params import EngineParams
 from ..pooling import EmbeddingModule
+from ..sdpa import ENV_SDPA, sdpa_backends, sdpa_summary  # noqa: F401  (ENV_SDPA: this backend's knob too)
+from ..sdpa import sdpa_kernels as _sdpa_kernels
 from . import torch_aot
 
 ARTIFACT = "compile_cache.json"
@@ -55,14 +56,6 @@ DTYPES = torch_aot.DTYPES
 ENV_RUNTIME_CACHE = "MOPT_COMPILE_CACHE_DIR"  # where the loader puts its writable copy
 ENV_WARM_AT_LOAD = "MOPT_COMPILE_CACHE_WARM"  # 1: replay the warm-up shapes inside load()
 ENV_ARTIFACT = "MOPT_INDUCTOR_ARTIFACT"  # 0: neither write nor load the artifact (the cache form)
-# SDPA kernels the compiled graph may use, in order. cuDNN's is left out by default: it generates and
-# compiles a kernel plan for each new input shape at first use (a stall on every new request shape
-# with dynamic shapes; measured on the H200, see README). Benchmarks set the variable to compare.
-ENV_SDPA = "MOPT_SDPA_BACKENDS"
-SDPA_DEFAULT = "flash,efficient,math"
-SDPA_NAMES = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH",
-              "cudnn": "CUDNN_ATTENTION"}
-
 INDUCTOR_ARTIFACT = "inductor-artifact.bin"
 GRAPH_FILE = "graph.json"
 GRAPH_TENSORS = "graph-tensors-{:05d}.safetensors"  # parameters, buffers and constants, by graph name
@@ -114,25 +107,7 @@ def _call_dynamic(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 
 def _inductor_options(mode: str) -> dict:
-    """Inductor config for a compile mode, without CUDA graphs (the artifact is a plain callable)."""
-    patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
-    patches.pop("triton.cudagraphs", None)
-    return {"config_patches": patches}
-
-
-def sdpa_backends() -> list[str]:
-    names = [n.strip() for n in os.environ.get(ENV_SDPA, SDPA_DEFAULT).split(",") if n.strip()]
-    unknown = [n for n in names if n not in SDPA_NAMES]
-    if unknown or not names:
-        raise UsageError(f"{ENV_SDPA}: {','.join(unknown) or '(empty)'} not among {', '.join(SDPA_NAMES)}")
-    return names
-
-
-def _sdpa_kernels():
-    """Context restricting which SDPA kernel tracing and compiling bake into the graph."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([getattr(SDPBackend, SDPA_NAMES[n]) for n in sdpa_backends()], set_priority=True)
+    return {"config_patches": torch_aot.inductor_options(mode)}
 
 
 def _graph_inputs(exported) -> list[dict]:
@@ -225,7 +200,6 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
     with torch.no_grad(), _sdpa_kernels():
         exported, dims = torch_aot._export(module, example, params)
     t_export = time.monotonic() - t0
-    sdpa = [n for n in exported.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
     specs = _graph_inputs(exported)
     tensors = _graph_tensors(exported, module, specs)
     gm = exported.graph_module
@@ -250,10 +224,7 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
         raise RuntimeError(f"the loaded artifact disagrees with eager (cosine {cos:.4f})")
     return {"file": INDUCTOR_ARTIFACT, "bytes": (out_dir / INDUCTOR_ARTIFACT).stat().st_size,
             "export_dims": dims, "export_seconds": round(t_export, 3), "compile_seconds": round(t_compile, 3),
-            "check_cosine": round(cos, 6), "mode": params.compile_mode, "sdpa_backends": sdpa_backends(),
-            # attention "causal" must leave no mask tensor in the graph (else SDPA's flash kernel is out)
-            "sdpa_calls": len(sdpa),
-            "sdpa_with_mask": sum(1 for n in sdpa if len(n.args) > 3 and n.args[3] is not None)}
+            "check_cosine": round(cos, 6), "mode": params.compile_mode, **sdpa_summary(exported.graph)}
 
 
 def _warm(fn, params: EngineParams) -> list[dict]:
