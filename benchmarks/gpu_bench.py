@@ -62,8 +62,8 @@ def parse_args(argv=None):
                    help="engines to build and measure, in order (later ones only if the deadline allows): "
                         "MODE/ATTENTION[/VARIANT], VARIANT one of " + ", ".join(VARIANTS) +
                         "; the first is the recipe's choice, used for the guard, accuracy, start and server")
-    p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION] each, e.g. "
-                   "default,default/causal,max-autotune (minutes of warm-up each)")
+    p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION[/dynamic]] each, "
+                   "e.g. default,default/causal,default/causal/dynamic,max-autotune (minutes of warm-up each)")
     p.add_argument("--server-engine", type=int, default=0, help="index in --engines of the engine to serve")
     p.add_argument("--servers", default="float,base64",
                    help="server runs, FORMAT[+PYTHONPATH][@SWITCH_MS][!] each: response format, a dir put on the "
@@ -215,14 +215,17 @@ def eager(model_dir: Path, a) -> dict:
 
 
 def jit(model_dir: Path, a, spec: str) -> dict:
-    """torch.compile JIT, same batch (static shape), in this process: warm-up and speed. MODE alone
-    is the model as transformers runs it; MODE/causal the engine's causal-attention module."""
+    """torch.compile JIT, same batch, in this process: warm-up and speed. MODE alone is the model as
+    transformers runs it; MODE/causal the engine's causal-attention module; a third part "dynamic"
+    compiles with symbolic sizes (dynamic=True, as the engines are) instead of for the one shape."""
     import torch
 
-    mode, _, attention = spec.partition("/")
+    mode, attention, shapes = (spec.split("/") + ["", ""])[:3]
+    attention = attention or "mask"
     torch._dynamo.reset()
-    warm, dt = _timed(torch.compile(_module(model_dir, a, attention or "mask"), mode=mode), a, a.batch, a.seq, 10)
-    out = {"mode": mode, "attention": attention or "mask", "warmup_s": round(warm, 1),
+    compiled = torch.compile(_module(model_dir, a, attention), mode=mode, dynamic=True if shapes == "dynamic" else None)
+    warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
+    out = {"mode": mode, "attention": attention, "shapes": shapes or "static", "warmup_s": round(warm, 1),
            "jit_tok_s": round(a.batch * a.seq / dt)}
     torch._dynamo.reset()
     if a.device == "cuda":
@@ -419,7 +422,8 @@ def main(argv=None) -> int:
         save()
 
     model_dir = make_model(work / "model", a.layers, a.tiny)
-    prime_bytecode()
+    if a.engines:
+        prime_bytecode()  # for the engines' fresh processes
     section("eager", lambda: eager(model_dir, a), 30)
 
     def compile_step(mode: str, attention: str, variant: str, dest: Path):
@@ -443,7 +447,7 @@ def main(argv=None) -> int:
         return out
 
     engines = {}
-    for i, key in enumerate(a.engines.split(",")):
+    for i, key in enumerate(filter(None, a.engines.split(","))):
         mode, attention, variant = (key.split("/") + ["", ""])[:3]
         dest = work / f"engine-{key.replace('/', '-')}"
         section(f"compile[{key}]", lambda m=mode, at=attention, v=variant, d=dest: compile_step(m, at, v, d),
@@ -452,9 +456,14 @@ def main(argv=None) -> int:
             continue
         engines[key] = dest
         section(f"engine[{key}]", lambda dest=dest: child(dest, str(a.batch), str(a.seq)), 45)
-    if not engines:
+    skip = set(a.skip.split(",")) - {""}
+    for spec in filter(None, a.jit.split(",")):
+        section(f"jit[{spec}]", lambda spec=spec: jit(model_dir, a, spec), 150 if "autotune" in spec else 60)
+    if not engines:  # --engines "": eager and JIT only
+        res["total_s"] = round(time.monotonic() - t_start, 1)
         save()
-        return 1
+        print_table(res)
+        return 0 if not a.engines else 1
     if a.profile and a.device == "cuda":
         section("profile[eager]", lambda: kernel_profile("eager", a, model_dir), 40)
         for key, dest in engines.items():
@@ -463,12 +472,9 @@ def main(argv=None) -> int:
     attention = first_key.split("/")[1]
     first_backend = VARIANTS.get((first_key.split("/") + ["", ""])[2], {}).get("backend", BACKEND)
     first_env = VARIANTS.get((first_key.split("/") + ["", ""])[2], {}).get("env")
-    skip = set(a.skip.split(",")) - {""}
     if "start" not in skip:
         section("cold[again]", lambda: child(engine), 30)  # a second fresh process: the spread of the figure
         section("start_steps", lambda: start_steps(engine), 30)
-    for spec in filter(None, a.jit.split(",")):
-        section(f"jit[{spec}]", lambda spec=spec: jit(model_dir, a, spec), 150 if "autotune" in spec else 90)
 
     def accuracy():
         tiny = work / "tiny"
@@ -526,7 +532,7 @@ def print_table(res: dict) -> None:
     e = res.get("eager", {})
     rows = [("eager tokens/s (batch x seq)", e.get("eager_tok_s")),
             ("eager latency 1x32 ms", e.get("eager_latency_1x32_ms"))]
-    for mode in res["args"]["engines"].split(","):
+    for mode in filter(None, res["args"]["engines"].split(",")):
         c, f = res.get(f"compile[{mode}]", {}), res.get(f"engine[{mode}]", {})
         rows += [(f"[{mode}] compile step s (form)", (c.get("wall_s"), c.get("form"))),
                  (f"[{mode}] engine tokens/s (batch x seq)", f.get("engine_tok_s")),

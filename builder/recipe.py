@@ -35,7 +35,7 @@ class EngineParams:
     shapes: str
     seq_buckets: tuple[int, ...]
     tensorrt: dict
-    compile_mode: str = "default"  # torch-inductor: Inductor mode, autotuning done at build time
+    compile_mode: str = "default"  # torch-aot/torch-inductor: Inductor mode, autotuning done at build time
     attention: str = "mask"  # torch-aot/torch-inductor: "causal" pads right and needs no mask tensor
 
 

@@ -56,7 +56,7 @@ def test_final_stage_labels_and_nvidia_env(planned):
     variant = next(v for v in plan.variants if v.id == "qwen3-embed:cu128-sm90-aot")
     final = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST).files["Dockerfile.final"]
     for label in ('org.opencontainers.image.version="cu128-sm90-aot-', 'io.mopt.cuda="12.8"', 'io.mopt.sm="90"',
-                  'io.mopt.driver.min="570.26"', 'io.mopt.backend="torch-inductor"',
+                  'io.mopt.driver.min="570.26"', 'io.mopt.backend="torch-aot"',
                   'io.mopt.backend.version="2.11.0"'):
         assert label in final
     assert 'ENV NVIDIA_REQUIRE_CUDA="cuda>=12.8' in final

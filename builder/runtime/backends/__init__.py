@@ -10,7 +10,8 @@ import importlib
 
 from ..errors import UsageError
 
-# torch-inductor is the CUDA engine form that loads on the H200 (AOTInductor .pt2 segfaults there).
+# torch-aot (.pt2, C++) is the CUDA engine of the aot flavours; torch-inductor (Python wrapper + Triton
+# kernels) is the alternative form, with a slower start (README, GPU performance).
 BACKENDS = {"torch-aot": "torch_aot", "torch-inductor": "torch_inductor", "tensorrt": "tensorrt",
             "tensorrt-llm": "tensorrt_llm", "vllm": "vllm_backend"}
 # These serve through their own OpenAI server (exec_serve) after the guard, not through ours.

@@ -1,8 +1,11 @@
 """Inductor-compiled engine made at image-build time, for CUDA (and CPU): no tracing, no codegen,
 no autotuning when the image starts.
 
-Why not the AOTInductor .pt2 (torch-aot): CUDA .pt2 packages segfault on load with torch 2.11.0+cu130
-on the H200 machine (inside AOTIModelPackageLoader, even for a 3-layer MLP without constants).
+The aot flavours use torch-aot (the AOTInductor .pt2): this form was made when CUDA .pt2 packages
+segfaulted at load on the H200 machine (the cause turned out to be that machine's C++ compiler, see
+torch_aot.py). It stays as the alternative form (no C++ wrapper to build) and for comparison:
+on the H200 it gave the same throughput with a slower start (it imports Inductor and loads Triton
+kernels from Python).
 
 The compiled form (compile step, in the exact runtime image, on the target GPU):
 1. torch.export of the embedding module with dynamic batch and sequence dims (the graph torch-aot

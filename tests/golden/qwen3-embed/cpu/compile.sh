@@ -14,6 +14,7 @@ exec python -m mopt_runtime compile \
   --pooling last \
   --normalize \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
+  --compile-mode default \
   --attention causal \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json

@@ -4,7 +4,7 @@
 # /opt/mopt/model (read-only, where the final image keeps it), this directory's inputs at /mopt/inputs and the output at /mopt/out.
 set -eu
 exec python -m mopt_runtime compile \
-  --backend torch-inductor \
+  --backend torch-aot \
   --device cuda \
   --model /opt/mopt/model \
   --out /mopt/out \
