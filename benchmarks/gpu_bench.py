@@ -4,7 +4,7 @@
         [--engines default/causal,default/mask] [--jit default,default/causal,max-autotune] [--profile]
 
 Builds a Qwen3-Embedding-0.6B-architecture model (random weights, seed 0; the Hub is unreachable),
-compiles it with `python -m builder.runtime compile --backend torch-inductor --device cuda`,
+compiles it with `python -m builder.runtime compile --backend torch-aot|torch-inductor --device cuda`,
 one engine per --engines entry (compile mode/attention[/variant]), then measures: eager vs engine
 throughput (64 x 512) and latency (1 x 32), a mixed-length workload, cold start of a fresh process
 (prebuilt engine, through the guard as serve starts) vs the compile step, the start step by step with a profile of
@@ -58,12 +58,13 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=8, help="requests per client")
     p.add_argument("--deadline-s", type=float, default=540.0)
     p.add_argument("--accuracy-precisions", default="fp32,bf16,fp16")
-    p.add_argument("--engines", default="default/causal",
+    p.add_argument("--engines", default="default/causal/aot",
                    help="engines to build and measure, in order (later ones only if the deadline allows): "
                         "MODE/ATTENTION[/VARIANT], VARIANT one of " + ", ".join(VARIANTS) +
                         "; the first is the recipe's choice, used for the guard, accuracy, start and server")
-    p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION[/dynamic]] each, "
-                   "e.g. default,default/causal,default/causal/dynamic,max-autotune (minutes of warm-up each)")
+    p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION[/FLAG...]] each, FLAG "
+                   "dynamic (symbolic sizes) or flash (the engines' SDPA kernels), e.g. default,default/causal,"
+                   "default/causal/dynamic/flash,max-autotune (minutes of warm-up each)")
     p.add_argument("--server-engine", type=int, default=0, help="index in --engines of the engine to serve")
     p.add_argument("--servers", default="float,base64",
                    help="server runs, FORMAT[+PYTHONPATH][@SWITCH_MS][!] each: response format, a dir put on the "
@@ -216,16 +217,24 @@ def eager(model_dir: Path, a) -> dict:
 
 def jit(model_dir: Path, a, spec: str) -> dict:
     """torch.compile JIT, same batch, in this process: warm-up and speed. MODE alone is the model as
-    transformers runs it; MODE/causal the engine's causal-attention module; a third part "dynamic"
-    compiles with symbolic sizes (dynamic=True, as the engines are) instead of for the one shape."""
+    transformers runs it; MODE/causal the engine's causal-attention module. Flags after that:
+    "dynamic" compiles with symbolic sizes (dynamic=True, as the engines are) instead of for the one
+    shape; "flash" limits SDPA to the engines' kernel list (sdpa.py: no cuDNN) as their compile does."""
+    from contextlib import nullcontext
+
     import torch
 
-    mode, attention, shapes = (spec.split("/") + ["", ""])[:3]
-    attention = attention or "mask"
+    from builder.runtime.sdpa import sdpa_backends, sdpa_kernels
+
+    mode, *rest = spec.split("/")
+    attention, flags = (rest[0] or "mask", rest[1:]) if rest else ("mask", [])
     torch._dynamo.reset()
-    compiled = torch.compile(_module(model_dir, a, attention), mode=mode, dynamic=True if shapes == "dynamic" else None)
-    warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
-    out = {"mode": mode, "attention": attention, "shapes": shapes or "static", "warmup_s": round(warm, 1),
+    with sdpa_kernels() if "flash" in flags else nullcontext():
+        compiled = torch.compile(_module(model_dir, a, attention), mode=mode,
+                                 dynamic=True if "dynamic" in flags else None)
+        warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
+    out = {"mode": mode, "attention": attention, "shapes": "dynamic" if "dynamic" in flags else "static",
+           "sdpa": ",".join(sdpa_backends()) if "flash" in flags else "free", "warmup_s": round(warm, 1),
            "jit_tok_s": round(a.batch * a.seq / dt)}
     torch._dynamo.reset()
     if a.device == "cuda":

@@ -86,6 +86,22 @@ def query_gpus() -> tuple[str | None, tuple[Gpu, ...], str]:
     return driver, tuple(gpus), "nvidia-smi"
 
 
+def _json_or_empty(text: str) -> dict:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _version_at_least(version: str, floor: str) -> bool:
+    """For versions a daemon reports ("20.10.24+dfsg1", "25.0.3-rd"); one that does not parse is not."""
+    try:
+        return parse_version(version.split("+")[0].split("-")[0]) >= parse_version(floor)
+    except ConfigError:
+        return False
+
+
 def inspect_host() -> HostFacts:
     checks = []
     docker_bin = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker") or "docker")
@@ -93,18 +109,21 @@ def inspect_host() -> HostFacts:
     docker_server, runtimes = None, ()
     if info is None:
         checks.append(Check("docker", "fail", "no docker client found", "apt-get install docker.io"))
-    elif info.returncode != 0:
-        checks.append(Check("docker", "fail", "the daemon does not answer: " + info.stderr.strip()[:160],
-                            "start it: dockerd > /var/log/dockerd.log 2>&1 & (or systemctl start docker)"))
     else:
-        data = json.loads(info.stdout)
-        docker_server = data.get("ServerVersion", "?")
-        runtimes = tuple(sorted((data.get("Runtimes") or {}).keys()))
-        checks.append(Check("docker", "ok", f"daemon {docker_server} ({data.get('Driver')} storage)"))
+        data = _json_or_empty(info.stdout) if info.returncode == 0 else {}
+        # Docker 20.10's client exits 0 without a daemon and reports it in ServerErrors instead.
+        if not data.get("ServerVersion"):
+            why = "; ".join(data.get("ServerErrors") or []) or info.stderr.strip() or "no server version reported"
+            checks.append(Check("docker", "fail", "the daemon does not answer: " + why[:160],
+                                "start it: dockerd > /var/log/dockerd.log 2>&1 & (or systemctl start docker)"))
+        else:
+            docker_server = data["ServerVersion"]
+            runtimes = tuple(sorted((data.get("Runtimes") or {}).keys()))
+            checks.append(Check("docker", "ok", f"daemon {docker_server} ({data.get('Driver')} storage)"))
     buildx = _run([docker_bin, "buildx", "version"])
     if buildx is not None and buildx.returncode == 0:
         checks.append(Check("buildkit", "ok", "docker buildx: " + buildx.stdout.strip()[:80]))
-    elif docker_server and parse_version(docker_server.split("+")[0].split("-")[0]) >= parse_version("18.09"):
+    elif docker_server and _version_at_least(docker_server, "18.09"):
         checks.append(Check("buildkit", "ok", f"{docker_bin} has BuildKit built in (DOCKER_BUILDKIT=1)"))
     else:
         checks.append(Check("buildkit", "warn", "no BuildKit-capable client found",

@@ -1,5 +1,7 @@
 """mopt pick: which published tag fits a host (driver floor, sm); mopt doctor on this GPU-less host."""
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +64,21 @@ def test_pick_cli_on_this_host():
     result = run_mopt("pick", "qwen3-embed", "--gpu", "A100", "--driver", "535.54.03")
     assert result.returncode == 0 and result.stdout.strip() == "mopt/qwen3-embed:cu121-sm80"
     assert run_mopt("pick", "qwen3-embed", "--gpu", "Voodoo 3").returncode == 2
+
+
+def test_doctor_without_a_daemon(tmp_path):
+    """The real Docker client pointed at a socket nobody serves: Debian's docker 20.10 exits 0 there
+    and reports the error inside its JSON. doctor says the daemon does not answer, exits 1, and
+    shows no traceback."""
+    if shutil.which("docker") is None and not Path("/usr/bin/docker").exists():
+        pytest.skip("no docker client on this machine")
+    result = run_mopt("doctor", "--format", "json", env={"DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"})
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    names = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert names["docker"]["status"] == "fail"
+    assert names["docker"]["detail"].startswith("the daemon does not answer: ")
+    assert "no-daemon.sock" in names["docker"]["detail"] and "dockerd" in names["docker"]["fix"]
 
 
 @pytest.mark.integration

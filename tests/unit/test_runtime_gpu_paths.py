@@ -1,6 +1,9 @@
-"""CPU coverage of the code paths the H200 run used: the torch-inductor backend in both its forms
+"""CPU coverage of the code paths the H200 runs used: the torch-inductor backend in both its forms
 (the standalone Inductor artifact, loaded without tracing; the cache form it falls back to), the
-guard over their files, batch-1 padding, and benchmarks/gpu_bench.py's arguments and model shape."""
+guard over their files, batch-1 padding, and benchmarks/gpu_bench.py: its arguments and model shape,
+and a tiny run of it (torch-aot engine, JIT with dynamic shapes and the engines' SDPA kernels).
+torch-aot's own paths (the fresh-process load check, the loader without Inductor) are covered in
+test_runtime_qwen3.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -191,7 +194,8 @@ def test_bench_arguments_and_qwen3_config():
     bench = _bench()
     a = bench.parse_args(["--out", "x"])
     assert (a.layers, a.batch, a.seq, a.precision, a.device) == (28, 64, 512, "bf16", "cuda")
-    assert a.engines == "default/causal" and set(bench.VARIANTS) == {"cudnn"}
+    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot"}
+    assert bench.VARIANTS["aot"]["backend"] == "torch-aot"
     cfg = bench.model_config(a.layers)
     assert cfg == {"vocab_size": 151669, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6,
@@ -199,3 +203,25 @@ def test_bench_arguments_and_qwen3_config():
     assert bench.model_config(8)["num_hidden_layers"] == 8 and bench.model_config(2, tiny=True)["hidden_size"] == 64
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu"])  # bf16 on cpu is refused
+
+
+def test_bench_tiny_run_on_cpu(tmp_path):
+    """gpu_bench.py end to end at tiny size on the CPU: a torch-aot engine measured in fresh processes
+    and a torch.compile JIT with symbolic sizes and the engines' SDPA kernel list."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", "--layers", "2", "--device", "cpu",
+                           "--precision", "fp32", "--batch", "4", "--seq", "32", "--engines", "default/causal/aot",
+                           "--jit", "default/causal/dynamic/flash", "--skip", "guard,server,accuracy",
+                           "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert res["compile[default/causal/aot]"]["backend"] == "torch-aot"
+    engine = res["engine[default/causal/aot]"]
+    assert engine["load_path"] == "torch-aot" and engine["dim"] == 64 and engine["engine_tok_s"] > 0
+    assert res["start_steps"]["backend"] == "torch-aot" and "backend load" in res["start_steps"]["steps_s"]
+    jit = res["jit[default/causal/dynamic/flash]"]
+    assert (jit["shapes"], jit["sdpa"], jit["attention"]) == ("dynamic", "flash,efficient,math", "causal")
+    assert jit["jit_tok_s"] > 0
