@@ -5,8 +5,8 @@
 Steps: import torch; the guard (every engine file's sha256, the host facts: CUDA initialised, and the
 backend's imports, overlapped);
 the backend's load (torch-aot: torch's C++ package loader; torch-inductor: graph tensors to the
-device + the Inductor artifact); the first calls on three shapes. Prints one JSON line of per-step seconds; --profile-load adds the
-top functions (cumulative time) of a cProfile of the backend load.
+device + the Inductor artifact); the first calls on three shapes. Prints one JSON line of per-step
+seconds; --profile-load adds the top functions (cumulative time) of a cProfile of the backend load.
 """
 from __future__ import annotations
 

@@ -63,8 +63,14 @@ def test_final_stage_labels_and_nvidia_env(planned):
     assert "NVIDIA_VISIBLE_DEVICES=all" in final and "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in final
     assert "USER 10001:10001" in final
     cpu = next(v for v in plan.variants if v.id == "minilm-embed:cpu")
-    cpu_final = render_variant(matrix, cpu, repo / "templates", FIXED_RUNTIME_DIGEST).files["Dockerfile.final"]
-    assert "NVIDIA_REQUIRE_CUDA" not in cpu_final
+    cpu_files = render_variant(matrix, cpu, repo / "templates", FIXED_RUNTIME_DIGEST).files
+    assert "NVIDIA_REQUIRE_CUDA" not in cpu_files["Dockerfile.final"]
+    # AOTInductor's C++ build on CUDA needs the CUDA headers and libcuda's link stub; the cpu image does not
+    runtime = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST).files["Dockerfile.runtime"]
+    assert "for p in g++ python3-dev cuda-cudart-dev-12-8 cuda-driver-dev-12-8; do" in runtime
+    assert "CUDA_HOME=/usr/local/cuda" in runtime
+    cpu_runtime = cpu_files["Dockerfile.runtime"]
+    assert "cuda-cudart-dev" not in cpu_runtime and "CUDA_HOME" not in cpu_runtime
 
 
 def test_no_syntax_directive_and_secrets_only_as_mounts(planned):
