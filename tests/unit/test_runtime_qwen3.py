@@ -218,7 +218,9 @@ def test_torch_aot_package_that_does_not_load_fails_the_compile(tiny, tmp_path):
     cxx = tmp_path / "g++-static-libstdcxx"
     cxx.write_text(STATIC_LIBSTDCXX_CXX)
     cxx.chmod(0o755)
-    env = dict(os.environ, CXX=str(cxx), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
+    # TMPDIR: torch's package loader leaves its unpacked copy behind when the load fails
+    env = dict(os.environ, CXX=str(cxx), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
+               TMPDIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "builder.runtime", "compile", "--model", str(tiny), "--out",
                            str(tmp_path / "out"), "--backend", "torch-aot", "--pooling", "last", "--max-batch", "2",
                            "--max-seq-len", "16", "--no-verify"],
