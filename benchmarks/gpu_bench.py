@@ -78,6 +78,13 @@ def parse_args(argv=None):
     return a
 
 
+def engine_spec(key: str) -> tuple[str, str, str, dict | None]:
+    """An --engines entry MODE/ATTENTION[/VARIANT] as (mode, attention, backend, compile environment)."""
+    mode, attention, variant = (key.split("/") + ["", ""])[:3]
+    spec = VARIANTS.get(variant, {})
+    return mode, attention, spec.get("backend", BACKEND), spec.get("env")
+
+
 def model_config(layers: int, tiny: bool = False) -> dict:
     return dict(TINY if tiny else QWEN3_06B, num_hidden_layers=layers)
 
@@ -435,14 +442,13 @@ def main(argv=None) -> int:
         prime_bytecode()  # for the engines' fresh processes
     section("eager", lambda: eager(model_dir, a), 30)
 
-    def compile_step(mode: str, attention: str, variant: str, dest: Path):
-        spec = VARIANTS.get(variant, {})
-        p, secs = cli("compile", "--model", str(model_dir), "--out", str(dest), "--backend",
-                      spec.get("backend", BACKEND),
+    def compile_step(key: str, dest: Path):
+        mode, attention, backend, env = engine_spec(key)
+        p, secs = cli("compile", "--model", str(model_dir), "--out", str(dest), "--backend", backend,
                       "--device", a.device, "--precision", a.precision, "--max-batch", str(a.batch),
                       "--max-seq-len", str(a.seq), "--pooling", "last", "--no-verify", "--compile-mode", mode,
                       "--attention", attention, *(["--target-sm", "90"] if a.device == "cuda" else []),
-                      timeout=max(60, a.deadline_s - (time.monotonic() - t_start)), env=spec.get("env"))
+                      timeout=max(60, a.deadline_s - (time.monotonic() - t_start)), env=env)
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-2000:])
         info = json.loads((dest / "engine.json").read_text())
@@ -457,10 +463,8 @@ def main(argv=None) -> int:
 
     engines = {}
     for i, key in enumerate(filter(None, a.engines.split(","))):
-        mode, attention, variant = (key.split("/") + ["", ""])[:3]
         dest = work / f"engine-{key.replace('/', '-')}"
-        section(f"compile[{key}]", lambda m=mode, at=attention, v=variant, d=dest: compile_step(m, at, v, d),
-                60 if i == 0 else 150)
+        section(f"compile[{key}]", lambda key=key, dest=dest: compile_step(key, dest), 60 if i == 0 else 150)
         if "error" in res.get(f"compile[{key}]", {"error": 1}):
             continue
         engines[key] = dest
@@ -478,9 +482,7 @@ def main(argv=None) -> int:
         for key, dest in engines.items():
             section(f"profile[{key}]", lambda dest=dest: kernel_profile(str(dest), a), 40)
     first_key, engine = next(iter(engines.items()))
-    attention = first_key.split("/")[1]
-    first_backend = VARIANTS.get((first_key.split("/") + ["", ""])[2], {}).get("backend", BACKEND)
-    first_env = VARIANTS.get((first_key.split("/") + ["", ""])[2], {}).get("env")
+    _, attention, first_backend, first_env = engine_spec(first_key)
     if "start" not in skip:
         section("cold[again]", lambda: child(engine), 30)  # a second fresh process: the spread of the figure
         section("start_steps", lambda: start_steps(engine), 30)

@@ -46,8 +46,7 @@ import torch._inductor
 from ..causal_attention import attn_implementation
 from ..params import EngineParams
 from ..pooling import EmbeddingModule
-from ..sdpa import ENV_SDPA, sdpa_backends, sdpa_summary  # noqa: F401  (ENV_SDPA: this backend's knob too)
-from ..sdpa import sdpa_kernels as _sdpa_kernels
+from ..sdpa import sdpa_backends, sdpa_kernels, sdpa_summary
 from . import torch_aot
 
 ARTIFACT = "compile_cache.json"
@@ -200,7 +199,7 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
     # matters for throughput. Both dims stay dynamic (1..max_batch, 2..max_seq_len) in the graph.
     example = torch_aot.example_inputs(params.max_batch, params.max_seq_len, params.device, params.pad_left)
     t0 = time.monotonic()
-    with torch.no_grad(), _sdpa_kernels():
+    with torch.no_grad(), sdpa_kernels():
         exported, dims = torch_aot._export(module, example, params)
     t_export = time.monotonic() - t0
     specs = _graph_inputs(exported)
@@ -209,7 +208,7 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
     # The graph's own fake inputs carry the symbolic batch/sequence sizes; real tensors would specialise.
     fakes = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
     t1 = time.monotonic()
-    with torch.no_grad(), _sdpa_kernels():
+    with torch.no_grad(), sdpa_kernels():
         compiled = torch._inductor.standalone_compile(gm, fakes, dynamic_shapes="from_graph",
                                                       options=_inductor_options(params.compile_mode))
     t_compile = time.monotonic() - t1
