@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--image-info", default=None, help="JSON text or file: repository, tag, tag_template, tags_by_sm")
     c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
     c.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
-                   help="Inductor mode (--backend torch-inductor): autotuning runs once, here")
+                   help="Inductor mode (--backend torch-aot or torch-inductor): autotuning runs once, here")
     c.add_argument("--attention", choices=("mask", "causal"), default="mask",
                    help="causal: causal decoders only; right padding and SDPA's is_causal, no mask tensor "
                         "(flash attention). Exact: a real token never attends to a padded one")

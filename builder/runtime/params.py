@@ -11,7 +11,7 @@ PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 DEVICES = ("cpu", "cuda")
-# Inductor modes for the torch-inductor backend (autotuning happens once, at image build).
+# Inductor modes for the torch-aot and torch-inductor backends (autotuning happens once, at image build).
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # mask: the model's own attention mask (any model; last-token pooling pads on the left).
 # causal: causal decoders only; pad on the right and let SDPA apply causality with no mask tensor
