@@ -39,7 +39,9 @@ BACKEND = "torch-inductor"
 # a libstdc++ of its own into the .so, which then crashes at load (benchmarks/aoti_probe.py); the
 # images' g++ is the distribution's.
 VARIANTS = {"cudnn": {"env": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}},
-            "aot": {"backend": "torch-aot", "env": {"CXX": "g++"}}}
+            "aot": {"backend": "torch-aot", "env": {"CXX": "g++"}},
+            # the shape the compile tunes kernels for (torch_aot.tune_shape): 2 x 16 before 2026-11-30
+            "aot16": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_TUNE_SHAPE": "2x16"}}}
 # Fresh processes that measure a start run as serve's engine worker does (no TorchScript: worker.py).
 CHILD_ENV = {"PYTORCH_JIT": "0"}
 
@@ -63,8 +65,9 @@ def parse_args(argv=None):
                         "MODE/ATTENTION[/VARIANT], VARIANT one of " + ", ".join(VARIANTS) +
                         "; the first is the recipe's choice, used for the guard, accuracy, start and server")
     p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION[/FLAG...]] each, FLAG "
-                   "dynamic (symbolic sizes) or flash (the engines' SDPA kernels), e.g. default,default/causal,"
-                   "default/causal/dynamic/flash,max-autotune (minutes of warm-up each)")
+                   "dynamic (symbolic sizes), flash (the engines' SDPA kernels) or exported (compile the graph "
+                   "torch.export gives, the engines' input), e.g. default,default/causal,"
+                   "default/causal/dynamic/flash,max-autotune (minutes of warm-up each); --profile adds kernels")
     p.add_argument("--server-engine", type=int, default=0, help="index in --engines of the engine to serve")
     p.add_argument("--servers", default="float,base64",
                    help="server runs, FORMAT[+PYTHONPATH][@SWITCH_MS][!] each: response format, a dir put on the "
@@ -180,23 +183,54 @@ def child(engine_dir: Path, *extra: str, timeout=600, env=None) -> dict:
     return {"error": f"rc {p.returncode}: {p.stderr[-1500:]}"}
 
 
+def module_params(a, attention: str):
+    from builder.runtime.params import EngineParams
+
+    return EngineParams(device=a.device, precision=a.precision, pooling="last", max_batch=a.batch,
+                        max_seq_len=a.seq, backend=BACKEND, attention=attention)
+
+
 def _module(model_dir: Path, a, attention: str = "mask"):
     """The eager embedding module of the benchmarked model, the way the backends build it; "mask" is
     the model as transformers runs it (eager with an all-ones mask takes SDPA's flash kernel too)."""
     from builder.runtime.backends.torch_aot import DTYPES, build_module
-    from builder.runtime.params import EngineParams
 
-    params = EngineParams(device=a.device, precision=a.precision, pooling="last", max_batch=a.batch,
-                          max_seq_len=a.seq, backend=BACKEND, attention=attention)
-    return build_module(str(model_dir), params, DTYPES[a.precision], a.device)
+    return build_module(str(model_dir), module_params(a, attention), DTYPES[a.precision], a.device)
+
+
+def _inputs(a, b: int, s: int):
+    import torch
+
+    ids = torch.randint(0, 500, (b, s), device=a.device)
+    return ids, torch.ones_like(ids)
+
+
+def profile_calls(run, calls: int = 3) -> dict:
+    """Top CUDA kernels by self time over `calls` calls of run() after 3 unmeasured ones: ms per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                run()
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    ms = 1000 * calls
+    rows = [f"{e.self_device_time_total / total * 100:5.1f}% {e.self_device_time_total / ms:8.2f} ms "
+            f"x{e.count // calls:<4d} {e.key[:110]}" for e in sorted(events, key=lambda e: -e.self_device_time_total)]
+    return {"ms_per_call": round(total / ms, 2), "top": rows[:30]}
 
 
 def _timed(m, a, b: int, s: int, n: int) -> tuple[float, float]:
     """(seconds of the first call, mean seconds of the next n) on random ids of shape b x s."""
     import torch
 
-    ids = torch.randint(0, 500, (b, s), device=a.device)
-    mask = torch.ones_like(ids)
+    ids, mask = _inputs(a, b, s)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     with torch.no_grad():
         t = time.monotonic()
@@ -237,12 +271,21 @@ def jit(model_dir: Path, a, spec: str) -> dict:
     attention, flags = (rest[0] or "mask", rest[1:]) if rest else ("mask", [])
     torch._dynamo.reset()
     with sdpa_kernels() if "flash" in flags else nullcontext():
-        compiled = torch.compile(_module(model_dir, a, attention), mode=mode,
-                                 dynamic=True if "dynamic" in flags else None)
+        module = _module(model_dir, a, attention)
+        if "exported" in flags:  # the engines' graph: torch.export with dynamic batch and sequence dims
+            from builder.runtime.backends.torch_aot import _export, example_inputs
+
+            params = module_params(a, attention)
+            example = example_inputs(a.batch, a.seq, a.device, params.pad_left)
+            with torch.no_grad():
+                module = _export(module, example, params)[0].module()
+        compiled = torch.compile(module, mode=mode, dynamic=True if "dynamic" in flags else None)
         warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
+        kernels = profile_calls(lambda: compiled(*_inputs(a, a.batch, a.seq))) if a.profile else None
     out = {"mode": mode, "attention": attention, "shapes": "dynamic" if "dynamic" in flags else "static",
-           "sdpa": ",".join(sdpa_backends()) if "flash" in flags else "free", "warmup_s": round(warm, 1),
-           "jit_tok_s": round(a.batch * a.seq / dt)}
+           "sdpa": ",".join(sdpa_backends()) if "flash" in flags else "free", "graph":
+           "exported" if "exported" in flags else "module", "warmup_s": round(warm, 1),
+           "jit_tok_s": round(a.batch * a.seq / dt), **({"profile": kernels} if kernels else {})}
     torch._dynamo.reset()
     if a.device == "cuda":
         torch.cuda.empty_cache()
@@ -251,7 +294,7 @@ def jit(model_dir: Path, a, spec: str) -> dict:
 
 PROFILE_CHILD = r'''
 import json, sys, torch
-from torch.profiler import ProfilerActivity, profile
+from benchmarks.gpu_bench import profile_calls
 target, b, s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ids = torch.randint(0, 500, (b, s)); mask = torch.ones_like(ids)
 if target == "eager":  # argv: eager b s model_dir precision
@@ -266,17 +309,7 @@ else:  # argv: engine_out_dir b s
     from builder.runtime.engine import Engine
     eng = Engine.open(target)
     run = lambda: eng.run(ids, mask)
-with torch.no_grad():
-    for _ in range(3): run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3): run()
-        torch.cuda.synchronize()
-events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-total = sum(e.self_device_time_total for e in events)
-rows = [f"{e.self_device_time_total / total * 100:5.1f}% {e.self_device_time_total / 3000:8.2f} ms "
-        f"x{e.count // 3:<4d} {e.key[:110]}" for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]]
-print("PROFILE " + json.dumps({"ms_per_call": round(total / 3000, 2), "top": rows}), flush=True)
+print("PROFILE " + json.dumps(profile_calls(run)), flush=True)
 '''
 
 
@@ -452,8 +485,8 @@ def main(argv=None) -> int:
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-2000:])
         info = json.loads((dest / "engine.json").read_text())
-        keep = ("backend", "target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256")
-        out = {"wall_s": secs, **{k: info[k] for k in keep},
+        keep = ("backend", "target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256", "tuned_for")
+        out = {"wall_s": secs, **{k: info[k] for k in keep if k in info},
                "engine_bytes": sum(f.stat().st_size for f in (dest / "engine").rglob("*") if f.is_file())}
         manifest = dest / "engine" / "compile_cache.json"  # torch-inductor's
         if manifest.is_file():

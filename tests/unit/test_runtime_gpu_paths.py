@@ -194,7 +194,7 @@ def test_bench_arguments_and_qwen3_config():
     bench = _bench()
     a = bench.parse_args(["--out", "x"])
     assert (a.layers, a.batch, a.seq, a.precision, a.device) == (28, 64, 512, "bf16", "cuda")
-    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot"}
+    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot", "aot16"}
     assert bench.VARIANTS["aot"]["backend"] == "torch-aot"
     cfg = bench.model_config(a.layers)
     assert cfg == {"vocab_size": 151669, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
@@ -206,22 +206,26 @@ def test_bench_arguments_and_qwen3_config():
 
 
 def test_bench_tiny_run_on_cpu(tmp_path):
-    """gpu_bench.py end to end at tiny size on the CPU: a torch-aot engine measured in fresh processes
-    and a torch.compile JIT with symbolic sizes and the engines' SDPA kernel list."""
+    """gpu_bench.py end to end at tiny size on the CPU: a torch-aot engine measured in fresh processes,
+    a torch.compile JIT with symbolic sizes and the engines' SDPA kernel list, and one of the exported graph."""
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--tiny", "--layers", "2", "--device", "cpu",
                            "--precision", "fp32", "--batch", "4", "--seq", "32", "--engines", "default/causal/aot",
-                           "--jit", "default/causal/dynamic/flash", "--skip", "guard,server,accuracy",
+                           "--jit", "default/causal/dynamic/flash,default/causal/dynamic/exported",
+                           "--skip", "guard,server,accuracy",
                            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert res["compile[default/causal/aot]"]["backend"] == "torch-aot"
+    assert (res["compile[default/causal/aot]"]["backend"], res["compile[default/causal/aot]"]["tuned_for"]) == (
+        "torch-aot", "4x32")
     engine = res["engine[default/causal/aot]"]
     assert engine["load_path"] == "torch-aot" and engine["dim"] == 64 and engine["engine_tok_s"] > 0
     assert res["start_steps"]["backend"] == "torch-aot" and "backend load" in res["start_steps"]["steps_s"]
     jit = res["jit[default/causal/dynamic/flash]"]
     assert (jit["shapes"], jit["sdpa"], jit["attention"]) == ("dynamic", "flash,efficient,math", "causal")
-    assert jit["jit_tok_s"] > 0
+    assert jit["jit_tok_s"] > 0 and jit["graph"] == "module"
+    exported = res["jit[default/causal/dynamic/exported]"]  # the engines' exported graph, JIT-compiled
+    assert (exported["graph"], exported["sdpa"]) == ("exported", "free") and exported["jit_tok_s"] > 0

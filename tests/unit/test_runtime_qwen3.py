@@ -243,3 +243,33 @@ def test_torch_aot_load_needs_no_inductor_import(tiny_engine):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["torch-aot", "64", "[]"]
+
+
+def test_torch_aot_tunes_for_the_largest_shape_by_default(tiny_engine, monkeypatch):
+    """The export example's sizes are the hints Inductor tunes kernels for: max_batch x max_seq_len
+    unless MOPT_TUNE_SHAPE says otherwise; engine.json records the shape."""
+    from builder.runtime.backends.torch_aot import ENV_TUNE_SHAPE, tune_shape
+    from builder.runtime.errors import UsageError
+
+    assert fingerprint.read(tiny_engine)["tuned_for"] == "4x32"
+    params = EngineParams(max_batch=64, max_seq_len=512)
+    monkeypatch.delenv(ENV_TUNE_SHAPE, raising=False)
+    assert tune_shape(params) == (64, 512)
+    assert tune_shape(EngineParams(max_batch=1, max_seq_len=128)) == (1, 128)
+    monkeypatch.setenv(ENV_TUNE_SHAPE, "16X128")
+    assert tune_shape(params) == (16, 128)
+    for bad, says in (("64", "expected BATCHxSEQ"), ("1x128", "batch must be 2..64"), ("8x1024", "sequence 2..512")):
+        monkeypatch.setenv(ENV_TUNE_SHAPE, bad)
+        with pytest.raises(UsageError, match=says):
+            tune_shape(params)
+
+
+def test_bad_tune_shape_is_one_message_exit_2(tiny, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "builder.runtime", "compile", "--model", str(tiny), "--out",
+                           str(tmp_path / "out"), "--backend", "torch-aot", "--pooling", "last", "--max-batch", "4",
+                           "--max-seq-len", "32", "--no-verify"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MOPT_TUNE_SHAPE="8x32"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "MOPT_TUNE_SHAPE='8x32': batch must be 2..4" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "engine.json").exists()

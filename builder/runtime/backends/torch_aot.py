@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageError
 from ..params import EngineParams
 from ..pooling import EmbeddingModule, load_body
 from ..sdpa import sdpa_kernels, sdpa_summary
@@ -49,10 +50,29 @@ def wrap_body(body, params: EngineParams) -> EmbeddingModule:
     return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left)
 
 
+ENV_TUNE_SHAPE = "MOPT_TUNE_SHAPE"  # BATCHxSEQ the compile tunes kernels for; default the largest
+
+
+def tune_shape(params: EngineParams) -> tuple[int, int]:
+    """The example shape the graph is exported with. Both dims stay dynamic, but its sizes are the
+    hints Inductor tunes kernels for (block sizes of fused kernels, GEMM choices): by default the
+    largest batch, the one that decides throughput. Batch >= 2 keeps export from specialising it to 1."""
+    b, s = params.max_batch, params.max_seq_len
+    raw = os.environ.get(ENV_TUNE_SHAPE, "").strip()
+    if raw:
+        parts = raw.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise UsageError(f"{ENV_TUNE_SHAPE}={raw!r}: expected BATCHxSEQ, e.g. 64x512")
+        b, s = int(parts[0]), int(parts[1])
+        low_b = 2 if params.max_batch > 1 else 1
+        if not (low_b <= b <= params.max_batch and 2 <= s <= params.max_seq_len):
+            raise UsageError(f"{ENV_TUNE_SHAPE}={raw!r}: batch must be {low_b}..{params.max_batch} and "
+                             f"sequence 2..{params.max_seq_len} (the engine's max_batch and max_seq_len)")
+    return b, s
+
+
 def _example(params: EngineParams, device: str, pad_left: bool):
-    # Batch 2 and a non-trivial length keep export from specialising either dim to 0/1.
-    b, s = min(2, params.max_batch) if params.max_batch > 1 else 1, min(16, params.max_seq_len)
-    return example_inputs(b, s, device, pad_left)
+    return example_inputs(*tune_shape(params), device, pad_left)
 
 
 def example_inputs(b: int, s: int, device: str, pad_left: bool):
@@ -103,7 +123,8 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT),
                                                         inductor_configs=inductor_options(params.compile_mode))
     check_loads_fresh(Path(path), params)
-    info = {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size)}
+    info = {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size),
+            "fingerprint": {"tuned_for": "x".join(map(str, example[0].shape))}}  # recorded in engine.json
     if params.device == "cuda":
         info["sdpa"] = sdpa_summary(exported.graph)
     return info

@@ -195,9 +195,9 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
 
     if params.max_batch < 2:
         raise RuntimeError("max_batch 1: the artifact's graph needs a dynamic batch dim (the loader pads 1 row to 2)")
-    # The example's sizes are the hints autotuning tunes GEMMs for: the largest batch, the one that
-    # matters for throughput. Both dims stay dynamic (1..max_batch, 2..max_seq_len) in the graph.
-    example = torch_aot.example_inputs(params.max_batch, params.max_seq_len, params.device, params.pad_left)
+    # The example's sizes are the hints Inductor tunes for (torch_aot.tune_shape). Both dims stay
+    # dynamic (1..max_batch, 2..max_seq_len) in the graph.
+    example = torch_aot.example_inputs(*torch_aot.tune_shape(params), params.device, params.pad_left)
     t0 = time.monotonic()
     with torch.no_grad(), sdpa_kernels():
         exported, dims = torch_aot._export(module, example, params)
@@ -226,7 +226,8 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
         raise RuntimeError(f"the loaded artifact disagrees with eager (cosine {cos:.4f})")
     return {"file": INDUCTOR_ARTIFACT, "bytes": (out_dir / INDUCTOR_ARTIFACT).stat().st_size,
             "export_dims": dims, "export_seconds": round(t_export, 3), "compile_seconds": round(t_compile, 3),
-            "check_cosine": round(cos, 6), "mode": params.compile_mode, **sdpa_summary(exported.graph)}
+            "check_cosine": round(cos, 6), "mode": params.compile_mode,
+            "tuned_for": "x".join(map(str, example[0].shape)), **sdpa_summary(exported.graph)}
 
 
 def _warm(fn, params: EngineParams) -> list[dict]:
