@@ -65,8 +65,9 @@ def parse_args(argv=None):
                         "MODE/ATTENTION[/VARIANT], VARIANT one of " + ", ".join(VARIANTS) +
                         "; the first is the recipe's choice, used for the guard, accuracy, start and server")
     p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION[/FLAG...]] each, FLAG "
-                   "dynamic (symbolic sizes), flash (the engines' SDPA kernels) or exported (compile the graph "
-                   "torch.export gives, the engines' input), e.g. default,default/causal,"
+                   "dynamic (symbolic sizes), flash (the engines' SDPA kernels), exported (compile the graph "
+                   "torch.export gives, the engines' input) or asserts (with exported: keep export's dtype "
+                   "asserts, which the engines strip), e.g. default,default/causal,"
                    "default/causal/dynamic/flash,max-autotune (minutes of warm-up each); --profile adds kernels")
     p.add_argument("--server-engine", type=int, default=0, help="index in --engines of the engine to serve")
     p.add_argument("--servers", default="float,base64",
@@ -278,14 +279,15 @@ def jit(model_dir: Path, a, spec: str) -> dict:
             params = module_params(a, attention)
             example = example_inputs(a.batch, a.seq, a.device, params.pad_left)
             with torch.no_grad():
-                module = _export(module, example, params)[0].module()
+                module = _export(module, example, params, strip_asserts="asserts" not in flags)[0].module()
         compiled = torch.compile(module, mode=mode, dynamic=True if "dynamic" in flags else None)
         warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
         kernels = profile_calls(lambda: compiled(*_inputs(a, a.batch, a.seq))) if a.profile else None
+    graph = ("exported, dtype asserts kept" if "asserts" in flags else "exported") if "exported" in flags else "module"
     out = {"mode": mode, "attention": attention, "shapes": "dynamic" if "dynamic" in flags else "static",
-           "sdpa": ",".join(sdpa_backends()) if "flash" in flags else "free", "graph":
-           "exported" if "exported" in flags else "module", "warmup_s": round(warm, 1),
-           "jit_tok_s": round(a.batch * a.seq / dt), **({"profile": kernels} if kernels else {})}
+           "sdpa": ",".join(sdpa_backends()) if "flash" in flags else "free", "graph": graph,
+           "warmup_s": round(warm, 1), "jit_tok_s": round(a.batch * a.seq / dt),
+           **({"profile": kernels} if kernels else {})}
     torch._dynamo.reset()
     if a.device == "cuda":
         torch.cuda.empty_cache()
