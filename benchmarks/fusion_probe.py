@@ -1,0 +1,89 @@
+"""Why the exported graph (the engines' input) compiles to more kernels than torch.compile of the module.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/fusion_probe.py --out $OUT [--device cuda] [--variants ...]
+
+Builds a 1-layer Qwen3-0.6B-shaped model (random weights) and compiles it with torch.compile
+(dynamic shapes) in one fresh process per variant, with Inductor's caches off and its post-grad graph
+and output code logged to OUT/<variant>.log. Prints, per variant, the generated kernels (Triton on
+CUDA, C++ on CPU) and the number of kernels that compute an RMSNorm's mean(x^2) without its rsqrt
+(a reduction that did not fuse with its normalisation).
+
+Variants: module (the eager module, as JIT users compile it), exported (torch.export as the engines
+do, export's dtype asserts stripped), asserts (exported, asserts kept), strict (torch.export
+strict=True, asserts stripped), decomposed (exported, then run_decompositions()).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = ("module", "exported", "asserts", "strict", "decomposed")
+
+CHILD = r'''
+import json, re, sys, torch
+sys.path.insert(0, sys.argv[4])
+from builder.runtime.backends.torch_aot import DTYPES, _export, build_module, example_inputs
+from builder.runtime.params import EngineParams
+from builder.runtime.sdpa import sdpa_kernels
+from torch._inductor.utils import run_and_get_code
+variant, model_dir, device = sys.argv[1], sys.argv[2], sys.argv[3]
+precision = "bf16" if device == "cuda" else "fp32"
+params = EngineParams(device=device, precision=precision, pooling="last", max_batch=8, max_seq_len=128,
+                      backend="torch-aot", attention="causal")
+module = build_module(model_dir, params, DTYPES[precision], device)
+example = example_inputs(8, 128, device, params.pad_left)
+with torch.no_grad(), (sdpa_kernels() if device == "cuda" else torch.no_grad()):
+    if variant == "module":
+        fn = module
+    else:
+        exported, _ = _export(module, example, params, strip_asserts=variant != "asserts") if variant != "strict" \
+            else (torch.export.export(module, example, dynamic_shapes={k: {0: torch.export.Dim("b", min=1, max=8),
+                  1: torch.export.Dim("s", min=2, max=128)} for k in ("input_ids", "attention_mask")}, strict=True), 0)
+        if variant == "strict":
+            from builder.runtime.backends.torch_aot import strip_dtype_asserts
+            strip_dtype_asserts(exported)
+        if variant == "decomposed":
+            exported = exported.run_decompositions()
+        fn = exported.module()
+    _, code = run_and_get_code(torch.compile(fn, dynamic=True), *example)
+src = "\n".join(code)
+kernels = sorted(set(re.findall(r"(?:triton|cpp)_(?:poi|per|red|fused)\w*", src)))
+alone = [k for k in kernels if "mean" in k and "pow" in k and "rsqrt" not in k]
+print("PROBE " + json.dumps({"kernels": kernels, "norm_reductions_alone": alone}), flush=True)
+'''
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "probe-out"))
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    from benchmarks.gpu_bench import make_model
+
+    model_dir = make_model(out / "model-1layer", 1, tiny=False)
+    env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", TORCH_LOGS="post_grad_graphs,output_code")
+    results = {}
+    for variant in a.variants.split(","):
+        proc = subprocess.run([sys.executable, "-c", CHILD, variant, str(model_dir), a.device, str(REPO)], cwd=REPO,
+                              capture_output=True, text=True, timeout=600, env=env)
+        (out / f"{variant}.log").write_text(proc.stderr)
+        line = next((s for s in proc.stdout.splitlines() if s.startswith("PROBE ")), None)
+        results[variant] = json.loads(line[6:]) if line else {"error": proc.stderr[-1500:]}
+        r = results[variant]
+        print(f"[{variant}] {len(r.get('kernels', []))} kernels, norm reductions alone: "
+              f"{r.get('norm_reductions_alone', r.get('error'))}", flush=True)
+    (out / "probe.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
