@@ -8,9 +8,11 @@ and output code logged to OUT/<variant>.log. Prints, per variant, the generated 
 CUDA, C++ on CPU) and the number of kernels that compute an RMSNorm's mean(x^2) without its rsqrt
 (a reduction that did not fuse with its normalisation).
 
-Variants: module (the eager module, as JIT users compile it), exported (torch.export as the engines
+Variants (VARIANT[+OPTION], OPTION one of OPTIONS: an Inductor config patch): module (the eager
+module, as JIT users compile it), exported (torch.export as the engines
 do, export's dtype asserts stripped), asserts (exported, asserts kept), strict (torch.export
-strict=True, asserts stripped), decomposed (exported, then run_decompositions()).
+strict=True, asserts stripped), decomposed (exported, then run_decompositions()). On CUDA each
+variant also times the 1-layer model at 64 x 512.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("module", "exported", "asserts", "strict", "decomposed")
+# VARIANT+OPTION compiles with an Inductor config patch as well, e.g. exported+fuse
+OPTIONS = {"fuse": {"triton.tiling_prevents_reduction_fusion": False}, "notile": {"triton.max_tiles": 1}}
 
 CHILD = r'''
 import json, re, sys, torch
@@ -32,6 +36,7 @@ from builder.runtime.params import EngineParams
 from builder.runtime.sdpa import sdpa_kernels
 from torch._inductor.utils import run_and_get_code
 variant, model_dir, device = sys.argv[1], sys.argv[2], sys.argv[3]
+options = json.loads(sys.argv[5])
 precision = "bf16" if device == "cuda" else "fp32"
 params = EngineParams(device=device, precision=precision, pooling="last", max_batch=8, max_seq_len=128,
                       backend="torch-aot", attention="causal")
@@ -50,11 +55,20 @@ with torch.no_grad(), (sdpa_kernels() if device == "cuda" else torch.no_grad()):
         if variant == "decomposed":
             exported = exported.run_decompositions()
         fn = exported.module()
-    _, code = run_and_get_code(torch.compile(fn, dynamic=True), *example)
+    compiled = torch.compile(fn, dynamic=True, options=options or None)
+    _, code = run_and_get_code(compiled, *example)
+    res = {}
+    if device == "cuda":  # one layer at the benchmark shape, after a call at it (dynamic: no recompile)
+        import time
+        ids = torch.randint(0, 500, (64, 512), device=device); mask = torch.ones_like(ids)
+        compiled(ids, mask); torch.cuda.synchronize(); t = time.monotonic()
+        for _ in range(20): compiled(ids, mask)
+        torch.cuda.synchronize(); res["ms_64x512"] = round((time.monotonic() - t) / 20 * 1000, 3)
 src = "\n".join(code)
 kernels = sorted(set(re.findall(r"(?:triton|cpp)_(?:poi|per|red|fused)\w*", src)))
 alone = [k for k in kernels if "mean" in k and "pow" in k and "rsqrt" not in k]
-print("PROBE " + json.dumps({"kernels": kernels, "norm_reductions_alone": alone}), flush=True)
+res.update(kernels=[k for k in kernels if not k.endswith(("numel",))], norm_reductions_alone=alone)
+print("PROBE " + json.dumps(res), flush=True)
 '''
 
 
@@ -73,14 +87,16 @@ def main() -> int:
     env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", TORCH_LOGS="post_grad_graphs,output_code")
     results = {}
     for variant in a.variants.split(","):
-        proc = subprocess.run([sys.executable, "-c", CHILD, variant, str(model_dir), a.device, str(REPO)], cwd=REPO,
+        graph, _, option = variant.partition("+")
+        proc = subprocess.run([sys.executable, "-c", CHILD, graph, str(model_dir), a.device, str(REPO),
+                               json.dumps(OPTIONS[option] if option else {})], cwd=REPO,
                               capture_output=True, text=True, timeout=600, env=env)
         (out / f"{variant}.log").write_text(proc.stderr)
         line = next((s for s in proc.stdout.splitlines() if s.startswith("PROBE ")), None)
         results[variant] = json.loads(line[6:]) if line else {"error": proc.stderr[-1500:]}
         r = results[variant]
-        print(f"[{variant}] {len(r.get('kernels', []))} kernels, norm reductions alone: "
-              f"{r.get('norm_reductions_alone', r.get('error'))}", flush=True)
+        print(f"[{variant}] {len(r.get('kernels', []))} kernels, 1 layer 64x512 {r.get('ms_64x512')} ms, "
+              f"norm reductions alone: {r.get('norm_reductions_alone', r.get('error'))}", flush=True)
     (out / "probe.json").write_text(json.dumps(results, indent=1) + "\n")
     return 0
 

@@ -41,7 +41,10 @@ BACKEND = "torch-inductor"
 VARIANTS = {"cudnn": {"env": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}},
             "aot": {"backend": "torch-aot", "env": {"CXX": "g++"}},
             # the shape the compile tunes kernels for (torch_aot.tune_shape): 2 x 16 before 2026-11-30
-            "aot16": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_TUNE_SHAPE": "2x16"}}}
+            "aot16": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_TUNE_SHAPE": "2x16"}},
+            # Inductor may fuse a reduction with a 2D-tiled pointwise consumer (benchmarks/fusion_probe.py)
+            "aotfuse": {"backend": "torch-aot", "env": {
+                "CXX": "g++", "MOPT_INDUCTOR_OPTIONS": '{"triton.tiling_prevents_reduction_fusion": false}'}}}
 # Fresh processes that measure a start run as serve's engine worker does (no TorchScript: worker.py).
 CHILD_ENV = {"PYTORCH_JIT": "0"}
 
@@ -487,7 +490,8 @@ def main(argv=None) -> int:
         if p.returncode != 0:
             raise RuntimeError(p.stderr[-2000:])
         info = json.loads((dest / "engine.json").read_text())
-        keep = ("backend", "target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256", "tuned_for")
+        keep = ("backend", "target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256", "tuned_for",
+                "inductor_options")
         out = {"wall_s": secs, **{k: info[k] for k in keep if k in info},
                "engine_bytes": sum(f.stat().st_size for f in (dest / "engine").rglob("*") if f.is_file())}
         manifest = dest / "engine" / "compile_cache.json"  # torch-inductor's

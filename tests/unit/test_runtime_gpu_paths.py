@@ -194,7 +194,7 @@ def test_bench_arguments_and_qwen3_config():
     bench = _bench()
     a = bench.parse_args(["--out", "x"])
     assert (a.layers, a.batch, a.seq, a.precision, a.device) == (28, 64, 512, "bf16", "cuda")
-    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot", "aot16"}
+    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot", "aot16", "aotfuse"}
     assert bench.VARIANTS["aot"]["backend"] == "torch-aot"
     cfg = bench.model_config(a.layers)
     assert cfg == {"vocab_size": 151669, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,

@@ -298,3 +298,21 @@ def test_exported_graph_fuses_rms_norm_like_the_module(tiny):
     kernels = set(re.findall(r"cpp_fused_\w+", "\n".join(code)))
     norms = [k for k in kernels if "mean" in k and "pow" in k]
     assert norms and all("rsqrt" in k for k in norms), sorted(kernels)
+
+
+def test_inductor_options_from_the_environment(monkeypatch):
+    """MOPT_INDUCTOR_OPTIONS adds Inductor config patches to the compile mode's, checked against
+    this torch's config names; bad input is a UsageError naming the variable."""
+    from builder.runtime.backends.torch_aot import ENV_INDUCTOR_OPTIONS, inductor_options
+    from builder.runtime.errors import UsageError
+
+    monkeypatch.delenv(ENV_INDUCTOR_OPTIONS, raising=False)
+    assert inductor_options("default") == {}
+    assert "triton.cudagraphs" not in inductor_options("max-autotune-no-cudagraphs")
+    monkeypatch.setenv(ENV_INDUCTOR_OPTIONS, '{"triton.max_tiles": 1}')
+    assert inductor_options("default") == {"triton.max_tiles": 1}
+    for bad, says in (("{", "not JSON"), ("[1]", "expected a JSON object"),
+                      ('{"triton.no_such_knob": 1}', "not Inductor config names .*triton.no_such_knob")):
+        monkeypatch.setenv(ENV_INDUCTOR_OPTIONS, bad)
+        with pytest.raises(UsageError, match=f"{ENV_INDUCTOR_OPTIONS}: {says}"):
+            inductor_options("default")

@@ -126,10 +126,28 @@ def _export_dynamic(module, example, params: EngineParams):
         return torch.export.export(module, example, dynamic_shapes=auto, strict=False), "auto"
 
 
+ENV_INDUCTOR_OPTIONS = "MOPT_INDUCTOR_OPTIONS"  # JSON object of extra Inductor config, e.g. {"triton.max_tiles": 1}
+
+
 def inductor_options(mode: str) -> dict:
-    """Inductor config patches of a compile mode, without CUDA graphs (engines are plain callables)."""
+    """Inductor config patches of a compile mode, without CUDA graphs (engines are plain callables),
+    plus MOPT_INDUCTOR_OPTIONS (checked against this torch's Inductor config names)."""
     patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
     patches.pop("triton.cudagraphs", None)
+    raw = os.environ.get(ENV_INDUCTOR_OPTIONS, "").strip()
+    if raw:
+        try:
+            extra = json.loads(raw)
+        except ValueError as exc:
+            raise UsageError(f"{ENV_INDUCTOR_OPTIONS}: not JSON ({exc})") from None
+        if not isinstance(extra, dict):
+            raise UsageError(f"{ENV_INDUCTOR_OPTIONS}: expected a JSON object of Inductor config names and values")
+        known = torch._inductor.config.get_config_copy()
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise UsageError(f"{ENV_INDUCTOR_OPTIONS}: not Inductor config names in torch {torch.__version__}: "
+                             f"{', '.join(unknown)}")
+        patches.update(extra)
     return patches
 
 
@@ -140,13 +158,15 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     example = _example(params, params.device, pad_left=params.pad_left)
     # On CUDA, SDPA's kernel choice is baked in here (no cuDNN by default: see sdpa.py).
     kernels = sdpa_kernels() if params.device == "cuda" else nullcontext()
+    options = inductor_options(params.compile_mode)
     with torch.inference_mode(False), torch.no_grad(), kernels:
         exported, dims = _export(module, example, params)
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT),
-                                                        inductor_configs=inductor_options(params.compile_mode))
+                                                        inductor_configs=options)
     check_loads_fresh(Path(path), params)
     info = {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size),
-            "fingerprint": {"tuned_for": "x".join(map(str, example[0].shape))}}  # recorded in engine.json
+            # recorded in engine.json
+            "fingerprint": {"tuned_for": "x".join(map(str, example[0].shape)), "inductor_options": options}}
     if params.device == "cuda":
         info["sdpa"] = sdpa_summary(exported.graph)
     return info
