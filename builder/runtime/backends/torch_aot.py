@@ -97,9 +97,10 @@ def _export(module, example, params: EngineParams, strip_asserts: bool = True):
 
 def strip_dtype_asserts(exported) -> int:
     """Drop the aten._assert_tensor_metadata nodes export puts before each .to(dtype). Inductor
-    lowers them to nothing, but as extra users of a tensor they stop it fusing each attention
-    block's per-head RMSNorm reduction with the rotary embedding that follows (two more kernels and
-    a round trip through memory per layer: 81 against 73 ms a batch on the H200, see README)."""
+    lowers them to nothing, but as extra users of a tensor they can stop it fusing an RMSNorm's
+    reduction with its normalisation: with torch 2.13 on the CPU they split each attention block's
+    per-head q/k norms into two kernels (tests/unit/test_runtime_qwen3.py). With torch 2.11 on the
+    H200 those norms stay split with or without them, for another reason (benchmarks/fusion_probe.py)."""
     graph = exported.graph_module.graph
     nodes = [n for n in graph.nodes if n.op == "call_function"
              and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
@@ -162,7 +163,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     with torch.inference_mode(False), torch.no_grad(), kernels:
         exported, dims = _export(module, example, params)
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT),
-                                                        inductor_configs=options)
+                                                        inductor_configs=dict(options))  # it adds keys
     check_loads_fresh(Path(path), params)
     info = {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size),
             # recorded in engine.json
