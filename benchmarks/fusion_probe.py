@@ -11,7 +11,9 @@ CUDA, C++ on CPU) and the number of kernels that compute an RMSNorm's mean(x^2) 
 Variants (VARIANT[+OPTION], OPTION one of OPTIONS: an Inductor config patch): module (the eager
 module, as JIT users compile it), exported (torch.export as the engines
 do, export's dtype asserts stripped), asserts (exported, asserts kept), strict (torch.export
-strict=True, asserts stripped), decomposed (exported, then run_decompositions()). Each variant
+strict=True, asserts stripped), decomposed (exported, then run_decompositions()), scalars
+(exported, with RMSNorm's eps and RoPE's scaling as 0-d tensors: Dynamo's graph takes them as run-time
+inputs, export's as constants, the one difference between the two post-grad graphs). Each variant
 also times the 1-layer model at 64 x 512.
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("module", "exported", "asserts", "strict", "decomposed")
+VARIANTS = ("module", "exported", "asserts", "strict", "decomposed", "scalars")
 # VARIANT+OPTION compiles with an Inductor config patch as well, e.g. exported+fuse
 OPTIONS = {"fuse": {"triton.tiling_prevents_reduction_fusion": False}, "notile": {"triton.max_tiles": 1}}
 
@@ -42,6 +44,11 @@ precision = "bf16" if device == "cuda" else "fp32"
 params = EngineParams(device=device, precision=precision, pooling="last", max_batch=64, max_seq_len=512,
                       backend="torch-aot", attention="causal")
 module = build_module(model_dir, params, DTYPES[precision], device)
+if variant == "scalars":  # RMSNorm eps and RoPE scaling as 0-d tensors, read at run time as in Dynamo's graph
+    for m in module.modules():
+        for name in ("variance_epsilon", "attention_scaling"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, torch.tensor(getattr(m, name), dtype=torch.float32, device=device))
 example = example_inputs(8, 128, device, params.pad_left)
 with torch.no_grad(), (sdpa_kernels() if device == "cuda" else torch.no_grad()):
     if variant == "module":
