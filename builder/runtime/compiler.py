@@ -62,9 +62,10 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
     started = time.monotonic()
     try:
         info = backend.compile(str(model_dir), params, staging)
-    except RuntimeToolError:  # the backend's own verdict (e.g. bad input: exit 2) keeps its exit code
-        raise
     except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-built stays behind
+        if isinstance(exc, RuntimeToolError):  # the backend's own verdict (e.g. bad input: exit 2) keeps its code
+            raise
         raise CompileError(f"{params.backend} compile of {model_dir} failed: "
                            f"{type(exc).__name__}: {exc}") from exc
     compile_seconds = round(time.monotonic() - started, 2)
