@@ -95,7 +95,7 @@ def _export(module, example, params: EngineParams, strip_asserts: bool = True):
     return exported, dims
 
 
-def strip_dtype_asserts(exported) -> int:
+def strip_dtype_asserts(exported) -> None:
     """Drop the aten._assert_tensor_metadata nodes export puts before each .to(dtype). Inductor
     lowers them to nothing, but as extra users of a tensor they can stop it fusing an RMSNorm's
     reduction with its normalisation: with torch 2.13 on the CPU they split each attention block's
@@ -107,7 +107,6 @@ def strip_dtype_asserts(exported) -> int:
     for node in nodes:
         graph.erase_node(node)
     exported.graph_module.recompile()
-    return len(nodes)
 
 
 def _export_dynamic(module, example, params: EngineParams):
@@ -165,12 +164,11 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT),
                                                         inductor_configs=dict(options))  # it adds keys
     check_loads_fresh(Path(path), params)
-    info = {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size),
-            # recorded in engine.json
-            "fingerprint": {"tuned_for": "x".join(map(str, example[0].shape)), "inductor_options": options}}
+    recorded = {"tuned_for": "x".join(map(str, example[0].shape)), "inductor_options": options}
     if params.device == "cuda":
-        info["sdpa"] = sdpa_summary(exported.graph)
-    return info
+        recorded["sdpa"] = sdpa_summary(exported.graph)
+    return {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size),
+            "fingerprint": recorded}  # in engine.json
 
 
 # Run by check_loads_fresh in a child: load the package the way load() does, call it once.
