@@ -44,7 +44,9 @@ VARIANTS = {"cudnn": {"env": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"
             "aot16": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_TUNE_SHAPE": "2x16"}},
             # Inductor may fuse a reduction with a 2D-tiled pointwise consumer (benchmarks/fusion_probe.py)
             "aotfuse": {"backend": "torch-aot", "env": {
-                "CXX": "g++", "MOPT_INDUCTOR_OPTIONS": '{"triton.tiling_prevents_reduction_fusion": false}'}}}
+                "CXX": "g++", "MOPT_INDUCTOR_OPTIONS": '{"triton.tiling_prevents_reduction_fusion": false}'}},
+            # RMSNorm eps and RoPE scaling as tensors, as Dynamo's graph reads them (torch_aot.scalars_as_tensors)
+            "aotscalars": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_EXPORT_SCALAR_TENSORS": "1"}}}
 # Fresh processes that measure a start run as serve's engine worker does (no TorchScript: worker.py).
 CHILD_ENV = {"PYTORCH_JIT": "0"}
 
@@ -65,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--accuracy-precisions", default="fp32,bf16,fp16")
     p.add_argument("--engines", default="default/causal/aot",
                    help="engines to build and measure, in order (later ones only if the deadline allows): "
-                        "MODE/ATTENTION[/VARIANT], VARIANT one of " + ", ".join(VARIANTS) +
+                        "MODE/ATTENTION[/VARIANT[+VARIANT]], VARIANT one of " + ", ".join(VARIANTS) +
                         "; the first is the recipe's choice, used for the guard, accuracy, start and server")
     p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION[/FLAG...]] each, FLAG "
                    "dynamic (symbolic sizes), flash (the engines' SDPA kernels), exported (compile the graph "
@@ -86,10 +88,16 @@ def parse_args(argv=None):
 
 
 def engine_spec(key: str) -> tuple[str, str, str, dict | None]:
-    """An --engines entry MODE/ATTENTION[/VARIANT] as (mode, attention, backend, compile environment)."""
-    mode, attention, variant = (key.split("/") + ["", ""])[:3]
-    spec = VARIANTS.get(variant, {})
-    return mode, attention, spec.get("backend", BACKEND), spec.get("env")
+    """An --engines entry MODE/ATTENTION[/VARIANT[+VARIANT...]] as (mode, attention, backend, compile
+    environment); joined variants merge their environments, e.g. aotscalars+cudnn."""
+    mode, attention, variants = (key.split("/") + ["", ""])[:3]
+    backend, env = BACKEND, {}
+    for variant in filter(None, variants.split("+")):
+        if variant not in VARIANTS:
+            raise SystemExit(f"--engines {key}: unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
+        backend = VARIANTS[variant].get("backend", backend)
+        env.update(VARIANTS[variant].get("env", {}))
+    return mode, attention, backend, env or None
 
 
 def model_config(layers: int, tiny: bool = False) -> dict:
@@ -491,7 +499,7 @@ def main(argv=None) -> int:
             raise RuntimeError(p.stderr[-2000:])
         info = json.loads((dest / "engine.json").read_text())
         keep = ("backend", "target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256", "tuned_for",
-                "inductor_options")
+                "inductor_options", "scalar_tensors")
         out = {"wall_s": secs, **{k: info[k] for k in keep if k in info},
                "engine_bytes": sum(f.stat().st_size for f in (dest / "engine").rglob("*") if f.is_file())}
         manifest = dest / "engine" / "compile_cache.json"  # torch-inductor's

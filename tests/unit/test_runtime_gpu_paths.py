@@ -194,8 +194,15 @@ def test_bench_arguments_and_qwen3_config():
     bench = _bench()
     a = bench.parse_args(["--out", "x"])
     assert (a.layers, a.batch, a.seq, a.precision, a.device) == (28, 64, 512, "bf16", "cuda")
-    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot", "aot16", "aotfuse"}
+    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot", "aot16", "aotfuse",
+                                                                                 "aotscalars"}
     assert bench.VARIANTS["aot"]["backend"] == "torch-aot"
+    mode, attention, backend, env = bench.engine_spec("default/causal/aotscalars+cudnn")  # envs merge
+    assert (mode, attention, backend) == ("default", "causal", "torch-aot")
+    assert env == {"CXX": "g++", "MOPT_EXPORT_SCALAR_TENSORS": "1", "MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}
+    assert bench.engine_spec("default/mask") == ("default", "mask", "torch-inductor", None)
+    with pytest.raises(SystemExit, match="unknown variant 'fast'"):
+        bench.engine_spec("default/causal/aot+fast")
     cfg = bench.model_config(a.layers)
     assert cfg == {"vocab_size": 151669, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 1e6,
