@@ -13,8 +13,9 @@ module, as JIT users compile it), exported (torch.export as the engines
 do, export's dtype asserts stripped), asserts (exported, asserts kept), strict (torch.export
 strict=True, asserts stripped), decomposed (exported, then run_decompositions()), scalars
 (exported, with RMSNorm's eps and RoPE's scaling as 0-d tensors: Dynamo's graph takes them as run-time
-inputs, export's as constants, the one difference between the two post-grad graphs). Each variant
-also times the 1-layer model at 64 x 512.
+inputs, export's as constants, the one difference between the two post-grad graphs), rotary and
+modulerotary (exported and module with the rotary tables as the engines compute them, rotary.py;
+every other variant keeps transformers' own). Each variant also times the 1-layer model at 64 x 512.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("module", "exported", "asserts", "strict", "decomposed", "scalars")
+VARIANTS = ("module", "exported", "asserts", "strict", "decomposed", "scalars", "rotary", "modulerotary")
 # VARIANT+OPTION compiles with an Inductor config patch as well, e.g. exported+fuse
 OPTIONS = {"fuse": {"triton.tiling_prevents_reduction_fusion": False}, "notile": {"triton.max_tiles": 1}}
 
@@ -43,7 +44,12 @@ precision = "bf16" if device == "cuda" else "fp32"
 # The export's dims range up to the timed shape, 64 x 512; the example (the tuning hint) is smaller.
 params = EngineParams(device=device, precision=precision, pooling="last", max_batch=64, max_seq_len=512,
                       backend="torch-aot", attention="causal")
-module = build_module(model_dir, params, DTYPES[precision], device)
+# transformers' own rotary tables unless the variant is the engines' product form (rotary.py)
+module = build_module(model_dir, params, DTYPES[precision], device, model_rotary="rotary" not in variant)
+if variant == "modulerotary":
+    variant = "module"
+if variant == "rotary":
+    variant = "exported"
 if variant == "scalars":  # RMSNorm eps and RoPE scaling as 0-d tensors, read at run time as in Dynamo's graph
     scalars_as_tensors(module, device)
 example = example_inputs(8, 128, device, params.pad_left)

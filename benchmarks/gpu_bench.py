@@ -71,9 +71,10 @@ def parse_args(argv=None):
                         "; the first is the recipe's choice, used for the guard, accuracy, start and server")
     p.add_argument("--jit", default="", help="torch.compile JIT runs to time, MODE[/ATTENTION[/FLAG...]] each, FLAG "
                    "dynamic (symbolic sizes), flash (the engines' SDPA kernels), exported (compile the graph "
-                   "torch.export gives, the engines' input) or asserts (with exported: keep export's dtype "
-                   "asserts, which the engines strip), e.g. default,default/causal,"
-                   "default/causal/dynamic/flash,max-autotune (minutes of warm-up each); --profile adds kernels")
+                   "torch.export gives, the engines' input), asserts (with exported: keep export's dtype "
+                   "asserts, which the engines strip) or model (transformers' own rotary tables, which the "
+                   "engines replace: rotary.py), e.g. default,default/causal,default/causal/dynamic/flash,"
+                   "max-autotune (minutes of warm-up each); --profile adds kernels")
     p.add_argument("--server-engine", type=int, default=0, help="index in --engines of the engine to serve")
     p.add_argument("--servers", default="float,base64",
                    help="server runs, FORMAT[+PYTHONPATH][@SWITCH_MS][!] each: response format, a dir put on the "
@@ -202,12 +203,13 @@ def module_params(a, attention: str):
                         max_seq_len=a.seq, backend=BACKEND, attention=attention)
 
 
-def _module(model_dir: Path, a, attention: str = "mask"):
-    """The eager embedding module of the benchmarked model, the way the backends build it; "mask" is
-    the model as transformers runs it (eager with an all-ones mask takes SDPA's flash kernel too)."""
+def _module(model_dir: Path, a, attention: str = "mask", model_rotary: bool = False):
+    """The eager embedding module of the benchmarked model, the way the backends build it; "mask" with
+    model_rotary is the model as transformers runs it (eager with an all-ones mask takes SDPA's flash
+    kernel too); without it, the rotary tables are computed as the engines do (rotary.py)."""
     from builder.runtime.backends.torch_aot import DTYPES, build_module
 
-    return build_module(str(model_dir), module_params(a, attention), DTYPES[a.precision], a.device)
+    return build_module(str(model_dir), module_params(a, attention), DTYPES[a.precision], a.device, model_rotary)
 
 
 def _inputs(a, b: int, s: int):
@@ -259,7 +261,7 @@ def _timed(m, a, b: int, s: int, n: int) -> tuple[float, float]:
 def eager(model_dir: Path, a) -> dict:
     import torch
 
-    m = _module(model_dir, a)
+    m = _module(model_dir, a, model_rotary=True)
     out = {"eager_tok_s": round(a.batch * a.seq / _timed(m, a, a.batch, a.seq, 10)[1]),
            "eager_latency_1x32_ms": round(_timed(m, a, 1, 32, 50)[1] * 1000, 3)}
     m = None  # free the eager copy before the engine runs
@@ -272,7 +274,8 @@ def jit(model_dir: Path, a, spec: str) -> dict:
     """torch.compile JIT, same batch, in this process: warm-up and speed. MODE alone is the model as
     transformers runs it; MODE/causal the engine's causal-attention module. Flags after that:
     "dynamic" compiles with symbolic sizes (dynamic=True, as the engines are) instead of for the one
-    shape; "flash" limits SDPA to the engines' kernel list (sdpa.py: no cuDNN) as their compile does."""
+    shape; "flash" limits SDPA to the engines' kernel list (sdpa.py: no cuDNN) as their compile does;
+    "model" keeps transformers' rotary tables (the engines compute them as a product: rotary.py)."""
     from contextlib import nullcontext
 
     import torch
@@ -283,7 +286,8 @@ def jit(model_dir: Path, a, spec: str) -> dict:
     attention, flags = (rest[0] or "mask", rest[1:]) if rest else ("mask", [])
     torch._dynamo.reset()
     with sdpa_kernels() if "flash" in flags else nullcontext():
-        module = _module(model_dir, a, attention)
+        model_rotary = not rest or "model" in flags
+        module = _module(model_dir, a, attention, model_rotary)
         if "exported" in flags:  # the engines' graph: torch.export with dynamic batch and sequence dims
             from builder.runtime.backends.torch_aot import _export, example_inputs
 
@@ -295,7 +299,8 @@ def jit(model_dir: Path, a, spec: str) -> dict:
         warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
         kernels = profile_calls(lambda: compiled(*_inputs(a, a.batch, a.seq))) if a.profile else None
     graph = ("exported, dtype asserts kept" if "asserts" in flags else "exported") if "exported" in flags else "module"
-    out = {"mode": mode, "attention": attention, "shapes": "dynamic" if "dynamic" in flags else "static",
+    out = {"mode": mode, "attention": attention, "rotary": "model" if model_rotary else "product",
+           "shapes": "dynamic" if "dynamic" in flags else "static",
            "sdpa": ",".join(sdpa_backends()) if "flash" in flags else "free", "graph": graph,
            "warmup_s": round(warm, 1), "jit_tok_s": round(a.batch * a.seq / dt),
            **({"profile": kernels} if kernels else {})}
@@ -315,7 +320,7 @@ if target == "eager":  # argv: eager b s model_dir precision
     from builder.runtime.params import EngineParams
     params = EngineParams(backend="torch-inductor", device="cuda", precision=sys.argv[5], pooling="last",
                           max_batch=b, max_seq_len=s)
-    m = build_module(sys.argv[4], params, DTYPES[params.precision], "cuda")
+    m = build_module(sys.argv[4], params, DTYPES[params.precision], "cuda", model_rotary=True)
     ids, mask = ids.cuda(), mask.cuda()
     run = lambda: m(ids, mask)
 else:  # argv: engine_out_dir b s

@@ -316,3 +316,48 @@ def test_inductor_options_from_the_environment(monkeypatch):
         monkeypatch.setenv(ENV_INDUCTOR_OPTIONS, bad)
         with pytest.raises(UsageError, match=f"{ENV_INDUCTOR_OPTIONS}: {says}"):
             inductor_options("default")
+
+
+def _matmul_rotary_forward(self, x, position_ids):
+    """RoPE tables as transformers 5.17 builds them (the H200 machine's): a k=1 matmul, transposed."""
+    import torch
+
+    inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+    freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def test_rotary_tables_as_a_product_same_values_no_matmul(tiny, monkeypatch):
+    """The engines' module computes RoPE's tables as a broadcast product (rotary.py): the same values
+    as transformers' k=1 matmul, with no matmul left in the exported graph (whose [d, s] output kept
+    Inductor from fusing q/k norm + RoPE on the H200). The reference keeps the model's own forward."""
+    import torch
+
+    from builder.runtime.backends import torch_aot
+    from builder.runtime.rotary import rotary_as_product
+
+    rotary_cls = type(torch_aot.load_body(str(tiny), torch.float32, "cpu").rotary_emb)
+    monkeypatch.setattr(rotary_cls, "forward", _matmul_rotary_forward)  # as on transformers 5.17
+    params = EngineParams(backend="torch-aot", pooling="last", attention="causal", max_batch=4, max_seq_len=32)
+    example = torch_aot.example_inputs(4, 32, "cpu", params.pad_left)
+
+    def rotary_matmuls(module) -> int:
+        with torch.no_grad():
+            exported, _ = torch_aot._export(module, example, params)
+        # the model's one other matmul-like op is the tied LM head, absent from the body; linears are mm/addmm
+        return sum(1 for n in exported.graph.nodes if n.target in (torch.ops.aten.bmm.default,
+                                                                   torch.ops.aten.matmul.default))
+
+    model = torch_aot.build_module(str(tiny), params, torch.float32, "cpu", model_rotary=True)
+    ours = torch_aot.build_module(str(tiny), params, torch.float32, "cpu")
+    assert rotary_matmuls(model) >= 1 and rotary_matmuls(ours) == 0
+    positions = torch.arange(32).unsqueeze(0).repeat(2, 1)
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    for got, want in zip(ours.body.rotary_emb(x, positions), model.body.rotary_emb(x, positions), strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(ours(*example), model(*example))
+    other = torch_aot.load_body(str(tiny), torch.float32, "cpu")
+    other.rotary_emb.rope_type = "dynamic"  # its decorator updates inv_freq per call: left alone
+    assert rotary_as_product(other) == 0

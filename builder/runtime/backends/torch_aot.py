@@ -26,6 +26,7 @@ import torch
 from ..errors import UsageError
 from ..params import EngineParams
 from ..pooling import EmbeddingModule, load_body
+from ..rotary import rotary_as_product
 from ..sdpa import sdpa_kernels, sdpa_summary
 from ..tokenization import TextEncoder
 
@@ -39,14 +40,18 @@ def version() -> str:
     return torch.__version__
 
 
-def build_module(model_dir: str, params: EngineParams, dtype: torch.dtype, device: str) -> EmbeddingModule:
-    return wrap_body(load_body(model_dir, dtype, device, params.attention), params)
+def build_module(model_dir: str, params: EngineParams, dtype: torch.dtype, device: str,
+                 model_rotary: bool = False) -> EmbeddingModule:
+    return wrap_body(load_body(model_dir, dtype, device, params.attention), params, model_rotary)
 
 
-def wrap_body(body, params: EngineParams) -> EmbeddingModule:
-    """A transformers body as the embedding module the engine params describe."""
+def wrap_body(body, params: EngineParams, model_rotary: bool = False) -> EmbeddingModule:
+    """A transformers body as the embedding module the engine params describe; its rotary tables as a
+    product (rotary.py: same values, fusible) unless model_rotary (the model as transformers runs it)."""
     if hasattr(body.config, "use_cache"):
         body.config.use_cache = False  # no KV cache objects in an embedding graph
+    if not model_rotary:
+        rotary_as_product(body)
     return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left)
 
 
@@ -271,7 +276,8 @@ def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[li
     """fp32 eager embeddings, one text at a time (no padding), the ground truth for accuracy."""
     enc = TextEncoder(model_dir, params.pooling, params.instruction)
     # The model's own attention (no padding here): the reference does not depend on the engine's choice.
-    module = build_module(model_dir, replace(params, attention="mask"), torch.float32, "cpu")
+    # The model as transformers runs it: the reference checks the engine's graph changes too (rotary.py).
+    module = build_module(model_dir, replace(params, attention="mask"), torch.float32, "cpu", model_rotary=True)
     out = []
     with torch.no_grad():
         for ids in enc.encode(texts):
