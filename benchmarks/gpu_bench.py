@@ -174,17 +174,28 @@ if len(sys.argv) > 2:
         return (time.monotonic() - t) / n
     dt = bench(b, s, 10); res["engine_tok_s"] = round(b * s / dt)
     res["engine_latency_1x32_ms"] = round(bench(1, 32, 50) * 1000, 3)
-    import random
-    rng = random.Random(0)
-    seqs = [[rng.randrange(2, 500) for _ in range(rng.randint(8, s))] for _ in range(512)]
-    eng.embed_ids(seqs[:64])
-    # First pass: shapes this process has not run yet; second pass: the same shapes again.
-    for key in ("mixed_first_pass_tok_s", "mixed_tok_s"):
-        t = time.monotonic(); eng.embed_ids(seqs); dt = time.monotonic() - t
-        res[key] = round(sum(map(len, seqs)) / dt)
-    res["mixed_texts"] = len(seqs)
+    from benchmarks.gpu_bench import mixed_workload
+    res.update(mixed_workload(eng, s))
 print("CHILD " + json.dumps(res), flush=True)
 '''
+
+
+def mixed_workload(eng, seq: int, texts: int = 512) -> dict:
+    """Mixed-length traffic through Engine.embed_ids (length-sorted batches of at most max_batch, each
+    padded to its length bucket, as serve batches): texts of 8..seq random ids (seed 0), after one
+    batch of them; tokens/s of a first pass (shapes this process has not run yet) and of a second."""
+    import random
+
+    rng = random.Random(0)
+    seqs = [[rng.randrange(2, 500) for _ in range(rng.randint(8, seq))] for _ in range(texts)]
+    eng.embed_ids(seqs[:64])
+    res = {}
+    for key in ("mixed_first_pass_tok_s", "mixed_tok_s"):
+        t = time.monotonic()
+        eng.embed_ids(seqs)
+        res[key] = round(sum(map(len, seqs)) / (time.monotonic() - t))
+    res["mixed_texts"] = len(seqs)
+    return res
 
 
 def child(engine_dir: Path, *extra: str, timeout=600, env=None) -> dict:
@@ -297,17 +308,36 @@ def jit(model_dir: Path, a, spec: str) -> dict:
                 module = _export(module, example, params, strip_asserts="asserts" not in flags)[0].module()
         compiled = torch.compile(module, mode=mode, dynamic=True if "dynamic" in flags else None)
         warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
+        mixed = mixed_workload(_jit_engine(compiled, model_dir, a, attention), a.seq)
         kernels = profile_calls(lambda: compiled(*_inputs(a, a.batch, a.seq))) if a.profile else None
     graph = ("exported, dtype asserts kept" if "asserts" in flags else "exported") if "exported" in flags else "module"
     out = {"mode": mode, "attention": attention, "rotary": "model" if model_rotary else "product",
            "shapes": "dynamic" if "dynamic" in flags else "static",
            "sdpa": ",".join(sdpa_backends()) if "flash" in flags else "free", "graph": graph,
-           "warmup_s": round(warm, 1), "jit_tok_s": round(a.batch * a.seq / dt),
+           "warmup_s": round(warm, 1), "jit_tok_s": round(a.batch * a.seq / dt), **mixed,
            **({"profile": kernels} if kernels else {})}
     torch._dynamo.reset()
     if a.device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _jit_engine(compiled, model_dir: Path, a, attention: str):
+    """A JIT-compiled module behind the engines' Engine (tokenizer, length buckets, batching), so
+    mixed_workload runs it the way it runs an engine; new shapes may recompile, as they would for a user."""
+    import torch
+
+    from builder.runtime.engine import Engine
+    from builder.runtime.tokenization import TextEncoder
+
+    params = module_params(a, attention)
+
+    def run(ids, mask):
+        with torch.no_grad():
+            return compiled(ids.to(a.device), mask.to(a.device)).float().cpu()
+
+    encoder = TextEncoder(model_dir, params.pooling, params.instruction, params.pad_left)
+    return Engine(params, encoder, run, {"embedding_dim": model_config(a.layers, a.tiny)["hidden_size"]})
 
 
 PROFILE_CHILD = r'''
@@ -612,6 +642,8 @@ def print_table(res: dict) -> None:
     for spec in filter(None, res["args"]["jit"].split(",")):
         j = res.get(f"jit[{spec}]", {})
         rows.append((f"torch.compile JIT [{spec}] tokens/s, warm-up s", (j.get("jit_tok_s"), j.get("warmup_s"))))
+        rows.append((f"torch.compile JIT [{spec}] mixed tokens/s (first pass)", (j.get("mixed_tok_s"),
+                                                                                 j.get("mixed_first_pass_tok_s"))))
     rows += [(f"{k} tokens/s, raw, ratio, p50/p99 ms", (v.get("tok_s"), v.get("raw_tok_s"), v.get("served_over_raw"),
                                                         v.get("p50_ms"), v.get("p99_ms")))
              for k, v in res.items() if k.startswith("server[")]

@@ -214,7 +214,8 @@ def test_bench_arguments_and_qwen3_config():
 
 def test_bench_tiny_run_on_cpu(tmp_path):
     """gpu_bench.py end to end at tiny size on the CPU: a torch-aot engine measured in fresh processes,
-    a torch.compile JIT with symbolic sizes and the engines' SDPA kernel list, and one of the exported graph."""
+    a torch.compile JIT with symbolic sizes and the engines' SDPA kernel list (also on mixed-length
+    traffic), and one of the exported graph."""
     import subprocess
     import sys
 
@@ -233,6 +234,9 @@ def test_bench_tiny_run_on_cpu(tmp_path):
     assert res["start_steps"]["backend"] == "torch-aot" and "backend load" in res["start_steps"]["steps_s"]
     jit = res["jit[default/causal/dynamic/flash]"]
     assert (jit["shapes"], jit["sdpa"], jit["attention"]) == ("dynamic", "flash,efficient,math", "causal")
-    assert jit["jit_tok_s"] > 0 and jit["graph"] == "module"
+    assert jit["jit_tok_s"] > 0 and jit["graph"] == "module" and jit["rotary"] == "product"
+    # the same mixed-length traffic as the engine's, through the same batching
+    assert jit["mixed_texts"] == engine["mixed_texts"] == 512 and jit["mixed_tok_s"] > 0
+    assert jit["mixed_first_pass_tok_s"] > 0 and engine["mixed_first_pass_tok_s"] > 0
     exported = res["jit[default/causal/dynamic/exported]"]  # the engines' exported graph, JIT-compiled
     assert (exported["graph"], exported["sdpa"]) == ("exported", "free") and exported["jit_tok_s"] > 0
