@@ -34,7 +34,7 @@ OPTIONS = {"fuse": {"triton.tiling_prevents_reduction_fusion": False}, "notile":
 CHILD = r'''
 import json, re, sys, torch
 sys.path.insert(0, sys.argv[4])
-from builder.runtime.backends.torch_aot import DTYPES, _export, build_module, example_inputs, scalars_as_tensors
+from builder.runtime.backends.torch_aot import DTYPES, _export, build_module, example_inputs
 from builder.runtime.params import EngineParams
 from builder.runtime.sdpa import sdpa_kernels
 from torch._inductor.utils import run_and_get_code
@@ -51,7 +51,10 @@ if variant == "modulerotary":
 if variant == "rotary":
     variant = "exported"
 if variant == "scalars":  # RMSNorm eps and RoPE scaling as 0-d tensors, read at run time as in Dynamo's graph
-    scalars_as_tensors(module, device)
+    for m in module.modules():
+        for name in ("variance_epsilon", "attention_scaling"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, torch.tensor(getattr(m, name), dtype=torch.float32, device=device))
 example = example_inputs(8, 128, device, params.pad_left)
 with torch.no_grad(), (sdpa_kernels() if device == "cuda" else torch.no_grad()):
     if variant == "module":

@@ -44,9 +44,7 @@ VARIANTS = {"cudnn": {"env": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"
             "aot16": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_TUNE_SHAPE": "2x16"}},
             # Inductor may fuse a reduction with a 2D-tiled pointwise consumer (benchmarks/fusion_probe.py)
             "aotfuse": {"backend": "torch-aot", "env": {
-                "CXX": "g++", "MOPT_INDUCTOR_OPTIONS": '{"triton.tiling_prevents_reduction_fusion": false}'}},
-            # RMSNorm eps and RoPE scaling as tensors, as Dynamo's graph reads them (torch_aot.scalars_as_tensors)
-            "aotscalars": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_EXPORT_SCALAR_TENSORS": "1"}}}
+                "CXX": "g++", "MOPT_INDUCTOR_OPTIONS": '{"triton.tiling_prevents_reduction_fusion": false}'}}}
 # Fresh processes that measure a start run as serve's engine worker does (no TorchScript: worker.py).
 CHILD_ENV = {"PYTORCH_JIT": "0"}
 
@@ -90,7 +88,7 @@ def parse_args(argv=None):
 
 def engine_spec(key: str) -> tuple[str, str, str, dict | None]:
     """An --engines entry MODE/ATTENTION[/VARIANT[+VARIANT...]] as (mode, attention, backend, compile
-    environment); joined variants merge their environments, e.g. aotscalars+cudnn."""
+    environment); joined variants merge their environments, e.g. aot+cudnn."""
     mode, attention, variants = (key.split("/") + ["", ""])[:3]
     backend, env = BACKEND, {}
     for variant in filter(None, variants.split("+")):
@@ -536,7 +534,7 @@ def main(argv=None) -> int:
             raise RuntimeError(p.stderr[-2000:])
         info = json.loads((dest / "engine.json").read_text())
         keep = ("backend", "target_sm", "gpu_name", "driver", "torch", "cuda", "engine_sha256", "tuned_for",
-                "inductor_options", "scalar_tensors")
+                "inductor_options")
         out = {"wall_s": secs, **{k: info[k] for k in keep if k in info},
                "engine_bytes": sum(f.stat().st_size for f in (dest / "engine").rglob("*") if f.is_file())}
         manifest = dest / "engine" / "compile_cache.json"  # torch-inductor's

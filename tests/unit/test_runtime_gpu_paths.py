@@ -194,12 +194,11 @@ def test_bench_arguments_and_qwen3_config():
     bench = _bench()
     a = bench.parse_args(["--out", "x"])
     assert (a.layers, a.batch, a.seq, a.precision, a.device) == (28, 64, 512, "bf16", "cuda")
-    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot", "aot16", "aotfuse",
-                                                                                 "aotscalars"}
+    assert a.engines == "default/causal/aot" and set(bench.VARIANTS) == {"cudnn", "aot", "aot16", "aotfuse"}
     assert bench.VARIANTS["aot"]["backend"] == "torch-aot"
-    mode, attention, backend, env = bench.engine_spec("default/causal/aotscalars+cudnn")  # envs merge
+    mode, attention, backend, env = bench.engine_spec("default/causal/aot16+cudnn")  # envs merge
     assert (mode, attention, backend) == ("default", "causal", "torch-aot")
-    assert env == {"CXX": "g++", "MOPT_EXPORT_SCALAR_TENSORS": "1", "MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}
+    assert env == {"CXX": "g++", "MOPT_TUNE_SHAPE": "2x16", "MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}
     assert bench.engine_spec("default/mask") == ("default", "mask", "torch-inductor", None)
     with pytest.raises(SystemExit, match="unknown variant 'fast'"):
         bench.engine_spec("default/causal/aot+fast")

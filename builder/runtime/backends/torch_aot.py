@@ -131,25 +131,6 @@ def _export_dynamic(module, example, params: EngineParams):
         return torch.export.export(module, example, dynamic_shapes=auto, strict=False), "auto"
 
 
-ENV_SCALAR_TENSORS = "MOPT_EXPORT_SCALAR_TENSORS"  # "1": the experiment below, for gpu_bench's aotscalars
-# Float attributes that export bakes into the graph as constants, where Dynamo takes them as run-time inputs
-SCALAR_ATTRIBUTES = ("variance_epsilon", "attention_scaling")  # RMSNorm's eps, RoPE's cos/sin scaling
-
-
-def scalars_as_tensors(module, device: str) -> int:
-    """Turn RMSNorm's eps and RoPE's scaling into 0-d tensors (export lifts them as tensor constants):
-    the one difference between the post-grad graphs of Dynamo's module and of the exported program,
-    probed as the reason the exported layer splits its q/k norms (benchmarks/fusion_probe.py)."""
-    count = 0
-    for m in module.modules():
-        for name in SCALAR_ATTRIBUTES:
-            value = getattr(m, name, None)
-            if isinstance(value, float):
-                setattr(m, name, torch.tensor(value, dtype=torch.float32, device=device))
-                count += 1
-    return count
-
-
 ENV_INDUCTOR_OPTIONS = "MOPT_INDUCTOR_OPTIONS"  # JSON object of extra Inductor config, e.g. {"triton.max_tiles": 1}
 
 
@@ -183,15 +164,12 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     # On CUDA, SDPA's kernel choice is baked in here (no cuDNN by default: see sdpa.py).
     kernels = sdpa_kernels() if params.device == "cuda" else nullcontext()
     options = inductor_options(params.compile_mode)
-    scalar_tensors = scalars_as_tensors(module, params.device) if os.environ.get(ENV_SCALAR_TENSORS) == "1" else 0
     with torch.inference_mode(False), torch.no_grad(), kernels:
         exported, dims = _export(module, example, params)
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT),
                                                         inductor_configs=dict(options))  # it adds keys
     check_loads_fresh(Path(path), params)
     recorded = {"tuned_for": "x".join(map(str, example[0].shape)), "inductor_options": options}
-    if scalar_tensors:
-        recorded["scalar_tensors"] = scalar_tensors
     if params.device == "cuda":
         recorded["sdpa"] = sdpa_summary(exported.graph)
     return {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size),
