@@ -295,7 +295,7 @@ def jit(model_dir: Path, a, spec: str) -> dict:
     attention, flags = (rest[0] or "mask", rest[1:]) if rest else ("mask", [])
     torch._dynamo.reset()
     # Inductor's caches off: their keys leave out the SDPA kernel context, so a flash run after a
-    # cuDNN one in this process got the cached cuDNN graph (H200 run 11); and each warm-up is cold.
+    # cuDNN one in this process got the cached cuDNN graph (H200 run 12); and each warm-up is cold.
     with sdpa_kernels() if "flash" in flags else nullcontext(), torch._inductor.config.patch(force_disable_caches=True):
         model_rotary = not rest or "model" in flags
         module = _module(model_dir, a, attention, model_rotary)

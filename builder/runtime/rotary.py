@@ -31,13 +31,17 @@ def _product_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+def _is_default_rope(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("RotaryEmbedding")
+            and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+            and getattr(module, "rope_type", None) == "default" and hasattr(module, "attention_scaling"))
+
+
 def rotary_as_product(body: nn.Module) -> int:
     """Give each default-type rotary embedding module of body the product forward; how many."""
     count = 0
     for module in body.modules():
-        if (type(module).__name__.endswith("RotaryEmbedding") and isinstance(getattr(module, "inv_freq", None),
-                                                                             torch.Tensor)
-                and getattr(module, "rope_type", None) == "default" and hasattr(module, "attention_scaling")):
+        if _is_default_rope(module):
             module.forward = types.MethodType(_product_forward, module)
             count += 1
     return count

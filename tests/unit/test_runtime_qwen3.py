@@ -345,7 +345,7 @@ def test_rotary_tables_as_a_product_same_values_no_matmul(tiny, monkeypatch):
     def rotary_matmuls(module) -> int:
         with torch.no_grad():
             exported, _ = torch_aot._export(module, example, params)
-        # the model's one other matmul-like op is the tied LM head, absent from the body; linears are mm/addmm
+        # linears export as mm/addmm and attention as SDPA: a bmm or matmul here is the rotary table's
         return sum(1 for n in exported.graph.nodes if n.target in (torch.ops.aten.bmm.default,
                                                                    torch.ops.aten.matmul.default))
 

@@ -105,7 +105,7 @@ def strip_dtype_asserts(exported) -> None:
     lowers them to nothing, but as extra users of a tensor they can stop it fusing an RMSNorm's
     reduction with its normalisation: with torch 2.13 on the CPU they split each attention block's
     per-head q/k norms into two kernels (tests/unit/test_runtime_qwen3.py). With torch 2.11 on the
-    H200 those norms stay split with or without them, for another reason (benchmarks/fusion_probe.py)."""
+    H200 they made no difference; there the norms split because of the rotary table's layout (rotary.py)."""
     graph = exported.graph_module.graph
     nodes = [n for n in graph.nodes if n.op == "call_function"
              and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
