@@ -23,7 +23,6 @@ import fnmatch
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
