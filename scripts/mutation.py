@@ -5,7 +5,7 @@ mutmut makes small changes (mutants) to the core modules named in tests/mutation
 runs the fast unit tests against each. A mutant the tests do not fail on "survives". This script
 runs mutmut in a scratch copy of the working tree (.mopt/mutation/, so the checkout is untouched
 and mutmut's cache is reused between runs), then prints the score per target and every survivor
-that tests/mutation/accepted.yaml does not explain.
+that a file of tests/mutation/accepted/ does not explain.
 
     .venv/bin/python scripts/mutation.py                      # every target
     .venv/bin/python scripts/mutation.py --target guard       # one target (repeatable)
@@ -13,7 +13,7 @@ that tests/mutation/accepted.yaml does not explain.
     .venv/bin/python scripts/mutation.py --sample 150 --seed 7  # a random subset of every target's mutants
 
 Exit status: 0 when the score is at least --min-score (percent of mutants killed, survivors that
-accepted.yaml lists counting as survivors) and no survivor is unexplained; 1 otherwise; 2 on bad
+tests/mutation/accepted/ lists counting as survivors) and no survivor is unexplained; 1 otherwise; 2 on bad
 arguments or configuration.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "tests" / "mutation"
 TARGETS = CONFIG_DIR / "targets.yaml"
-ACCEPTED = CONFIG_DIR / "accepted.yaml"
+ACCEPTED = CONFIG_DIR / "accepted"  # one YAML list per target: <target>.yaml
 WORK = REPO / ".mopt" / "mutation"
 MUTMUT = Path(sys.executable).with_name("mutmut")
 # Data the tests read beside the code (mutmut copies the source tree itself).
@@ -73,10 +73,11 @@ def load_config() -> tuple[list[Target], list[str], list[dict], list[Accepted]]:
     data = yaml.safe_load(TARGETS.read_text())
     targets = [Target(name, tuple(spec["files"]), tuple(spec["functions"])) for name, spec in data["targets"].items()]
     accepted = []
-    for i, entry in enumerate(yaml.safe_load(ACCEPTED.read_text()) or [] if ACCEPTED.is_file() else []):
-        if not all(isinstance(entry.get(k), str) and entry[k].strip() for k in ("function", "change", "reason")):
-            raise UsageError(f"{ACCEPTED.relative_to(REPO)} entry {i}: needs function, change and reason")
-        accepted.append(Accepted(entry["function"], normalise_change(entry["change"]), entry["reason"]))
+    for file in sorted(ACCEPTED.glob("*.yaml")):
+        for i, entry in enumerate(yaml.safe_load(file.read_text()) or []):
+            if not all(isinstance(entry.get(k), str) and entry[k].strip() for k in ("function", "change", "reason")):
+                raise UsageError(f"{file.relative_to(REPO)} entry {i}: needs function, change and reason")
+            accepted.append(Accepted(entry["function"], normalise_change(entry["change"]), entry["reason"]))
     return targets, list(data["tests"]), list(data.get("do_not_mutate") or []), accepted
 
 
@@ -305,7 +306,7 @@ def report(targets: list[Target], names: list[str], status: dict[str, str], path
         print(f"{name:<22}{counted:>8}{caught:>8}{score:>7.1f}%  {other}")
     score = 100.0 * total_caught / total if total else 100.0
     print(f"{'all':<22}{total:>8}{total_caught:>8}{score:>7.1f}%  ({len(explained)} survivors explained in "
-          f"tests/mutation/accepted.yaml, {len(unexplained)} unexplained; {seconds:.0f} s)")
+          f"tests/mutation/accepted/, {len(unexplained)} unexplained; {seconds:.0f} s)")
     for item in unexplained:
         print(f"\nSURVIVED ({item['status']}): {item['mutant']}\n{item['diff'].strip()}")
     if args.json:
