@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from builder.dockerclient import find_docker, run_docker  # noqa: E402
+from builder.state import StateDir  # noqa: E402
 
 STATE = REPO / ".mopt"
 
@@ -62,9 +63,9 @@ def main() -> None:
     args = parser.parse_args()
     docker = find_docker()
     image, tag = args.select.split(":")
-    record = json.loads((STATE / "variants" / image / f"{tag}.json").read_text())
-    stages = {s["name"]: s for s in record["stages"]}
-    engine = json.loads((Path(record["engine_dir"]) / "engine.json").read_text())
+    record = StateDir(STATE).read_record(image, tag)
+    stages = {s.name: s for s in record.stages}
+    engine = json.loads((record.engine_dir / "engine.json").read_text())
     p = engine["params"]
     compile_then_serve = (
         "python -m mopt_runtime compile --model /opt/mopt/model --out /tmp/e --device cpu --precision fp32 "
@@ -72,17 +73,17 @@ def main() -> None:
         "&& exec python -m mopt_runtime serve --engine-dir /tmp/e --port 8000")
     prebuilt, at_start = [], []
     for i in range(args.repeat):  # interleaved, so machine noise hits both sides alike
-        prebuilt.append(first_embedding_seconds(docker, [record["image_id"]], 18100 + i))
+        prebuilt.append(first_embedding_seconds(docker, [record.image_id], 18100 + i))
         # Same image, same model (/opt/mopt/model), but the engine is compiled when the container starts.
         at_start.append(first_embedding_seconds(
-            docker, ["--entrypoint", "sh", record["image_id"], "-c", compile_then_serve], 18200 + i))
+            docker, ["--entrypoint", "sh", record.image_id, "-c", compile_then_serve], 18200 + i))
     release = [sys.executable, "-m", "builder", "release", "--select", args.select]
     subprocess.run(release, cwd=REPO, capture_output=True, text=True)  # bring everything up to date first
     start = time.monotonic()
     noop = subprocess.run(release, cwd=REPO, capture_output=True, text=True)
     noop_s = time.monotonic() - start
-    sizes = {"base": size_mb(docker, stages["base"]["image"]), "runtime": size_mb(docker, stages["runtime"]["image"]),
-             "final": size_mb(docker, record["image_id"])}
+    sizes = {"base": size_mb(docker, stages["base"].image), "runtime": size_mb(docker, stages["runtime"].image),
+             "final": size_mb(docker, record.image_id)}
     results = {
         "variant": args.select,
         "cold_start_prebuilt_s": [round(x, 2) for x in prebuilt],

@@ -8,7 +8,6 @@ FROM an image id, and the final image's layers are checked to start with the run
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,11 +20,13 @@ from pathlib import Path
 from . import base as base_module
 from .dockerclient import DOCKER_ROOT, DockerCli, docker_free_gib, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
+from .hashing import sha256_text, tree_digest
 from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
 from .models import LocalModel, choose, materialise
 from .plan import Variant
-from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, dump_json, render_variant, tree_digest
+from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, render_variant
+from .state import ModelRecord, StageRecord, StateDir, VariantRecord
 
 Log = Callable[[str], None]
 STAGE_REPO = "mopt-stage"
@@ -48,15 +49,9 @@ class BuildOptions:
     lock_file: Path | None = None  # build --locked: pip --require-hashes and apt name=version from this lock
     force: bool = False  # rebuild every stage without cache and recompile (verify-repro)
 
-
-@dataclass(frozen=True)
-class StageResult:
-    name: str
-    key: str
-    image: str  # tag or directory
-    image_id: str
-    skipped: bool
-    seconds: float
+    @property
+    def state(self) -> StateDir:
+        return StateDir(self.state_dir)
 
 
 @dataclass(frozen=True)
@@ -68,7 +63,7 @@ class BuildResult:
     engine_dir: Path
     engine_sha256: str
     model: LocalModel
-    stages: tuple[StageResult, ...]
+    stages: tuple[StageRecord, ...]
     seconds: float
     render_dir: Path
     dimension: int
@@ -93,13 +88,6 @@ def default_find_links() -> tuple[Path, ...]:
     return tuple(Path(p) for p in os.environ.get("PIP_FIND_LINKS", "").split() if Path(p).is_dir())
 
 
-def _key(*parts: str) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part.encode() + b"\0")
-    return digest.hexdigest()
-
-
 def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -119,9 +107,7 @@ class Builder:
                  log: Log = print, docker: DockerCli | None = None):
         self.matrix, self.all_variants, self.options, self.log = matrix, all_variants, options, log
         self.docker = docker or find_docker()
-        self.state = options.state_dir
-        for sub in ("render", "contexts", "engines", "models", "logs", "variants", "bases"):
-            (self.state / sub).mkdir(parents=True, exist_ok=True)
+        self.state = options.state.create()
         self.runtime_digest = tree_digest(RUNTIME_PACKAGE, "**/*.py")
         self.wheelhouse = self._wheelhouse_files()
 
@@ -133,7 +119,7 @@ class Builder:
         return json.loads(result.stdout)[0]
 
     def _logfile(self, variant: Variant, stage: str) -> Callable[[str], None]:
-        path = self.state / "logs" / variant.image / variant.tag / f"{stage}.log"
+        path = self.state.log_file(variant.image, variant.tag, stage)
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = path.open("w", encoding="utf-8")
 
@@ -145,7 +131,7 @@ class Builder:
         return write
 
     def _check_disk(self) -> None:
-        free_gib = docker_free_gib(fallback=self.state)
+        free_gib = docker_free_gib(fallback=self.state.root)
         if free_gib < self.options.min_free_gib:
             raise EnvironmentProblem(f"only {free_gib:.1f} GiB free for Docker ({DOCKER_ROOT}); builds need at least "
                                      f"{self.options.min_free_gib} GiB: remove old images (mopt prune, docker image "
@@ -158,7 +144,7 @@ class Builder:
         return files
 
     def _wheelhouse_digest(self) -> str:
-        return _key(*(f"{p.name}:{p.stat().st_size}" for p in self.wheelhouse))
+        return sha256_text(*(f"{p.name}:{p.stat().st_size}" for p in self.wheelhouse))
 
     def _docker_build(self, variant: Variant, stage: str, dockerfile: Path, context: Path, tag: str, key: str,
                       build_args: dict[str, str], labels: dict[str, str]) -> str:
@@ -210,7 +196,7 @@ class Builder:
             image = base_module.ensure_base(
                 base_module.BaseSpec(name=spec.image, epoch=spec.source_date_epoch, packages=spec.packages,
                                      suite=spec.suite, variant=spec.variant, mirror=spec.mirror),
-                self.state / "bases", self.docker, log=lambda line: self.log("  " + line))
+                self.state.bases, self.docker, log=lambda line: self.log("  " + line))
             return spec.image, image.image_id
         ref = variant.resolved["base"]["ref"]
         info = self._inspect(ref)
@@ -222,13 +208,13 @@ class Builder:
                              "(no registry access here?): load it with docker load, or build on a host that can pull")
         return ref, info["Id"]
 
-    def _stage(self, variant: Variant, name: str, key: str, build: Callable[[str], str]) -> StageResult:
+    def _stage(self, variant: Variant, name: str, key: str, build: Callable[[str], str]) -> StageRecord:
         tag = f"{STAGE_REPO}/{name}:{key[:32]}"
         start = time.monotonic()
         info = None if self.options.force else self._inspect(tag)
         if info and (info["Config"].get("Labels") or {}).get(KEY_LABEL) == key:
             self.log(f"  {name}: up to date ({tag})")
-            return StageResult(name, key, tag, info["Id"], True, 0.0)
+            return StageRecord(name=name, key=key, image=tag, image_id=info["Id"], skipped=True, seconds=0.0)
         # Atomic stage tags: build (and verify) under a temporary tag, then tag the real one in a single
         # `docker tag`. An interrupted build leaves at most the temporary tag, which the next run drops:
         # never a stage tag that a later run would take as up to date.
@@ -237,9 +223,10 @@ class Builder:
         image_id = build(partial)
         run_docker(["tag", image_id, tag], docker=self.docker)
         run_docker(["rmi", "--no-prune", partial], docker=self.docker, check=False)
-        return StageResult(name, key, tag, image_id, False, round(time.monotonic() - start, 1))
+        return StageRecord(name=name, key=key, image=tag, image_id=image_id, skipped=False,
+                           seconds=round(time.monotonic() - start, 1))
 
-    def _run_in_runtime(self, variant: Variant, runtime: StageResult, mounts: list[tuple[Path, str, str]],
+    def _run_in_runtime(self, variant: Variant, runtime: StageRecord, mounts: list[tuple[Path, str, str]],
                         command: list[str], stage: str, gpu: bool) -> None:
         log = self._logfile(variant, stage)
         argv = ["run", "--rm", "--label", f"{ROLE_LABEL}={stage}", "--network", "none"]
@@ -254,19 +241,19 @@ class Builder:
             raise BuildError(f"{variant.id}: {stage} in the runtime image failed (exit {result.returncode}, "
                              f"log {log.path}):\n{tail}")  # type: ignore[attr-defined]
 
-    def _compile(self, variant: Variant, rendered: RenderedVariant, render_dir: Path, runtime: StageResult,
-                 model: LocalModel) -> StageResult:
+    def _compile(self, variant: Variant, rendered: RenderedVariant, render_dir: Path, runtime: StageRecord,
+                 model: LocalModel) -> StageRecord:
         compile_stage = next(s for s in rendered.manifest["stages"] if s["name"] == "compile")
         target_sm = variant.resolved.get("sm") or "cpu"
-        key = _key(compile_stage["key"], runtime.image_id, model.digest, target_sm)
-        engine_dir = self.state / "engines" / key[:32]
+        key = sha256_text(compile_stage["key"], runtime.image_id, model.digest, target_sm)
+        engine_dir = self.state.engine_dir(key)
         if (engine_dir / ".complete").exists() and not self.options.force:
             self.log(f"  compile: engine up to date ({engine_dir})")
-            return StageResult("compile", key, str(engine_dir), "", True, 0.0)
+            return StageRecord(name="compile", key=key, image=str(engine_dir), image_id="", skipped=True, seconds=0.0)
         start = time.monotonic()
         self.log(f"  compile: {variant.backend} engine for {target_sm} in a container of runtime "
                  f"{runtime.image_id[:19]}")
-        with tempfile.TemporaryDirectory(prefix="mopt-compile-", dir=self.state / "engines") as tmp:
+        with tempfile.TemporaryDirectory(prefix="mopt-compile-", dir=self.state.engines) as tmp:
             out = Path(tmp) / "out"
             out.mkdir()
             gpu = variant.device == "cuda" and self.options.gpus
@@ -278,9 +265,10 @@ class Builder:
             shutil.rmtree(engine_dir, ignore_errors=True)
             out.rename(engine_dir)
         (engine_dir / ".complete").touch()
-        return StageResult("compile", key, str(engine_dir), "", False, round(time.monotonic() - start, 1))
+        return StageRecord(name="compile", key=key, image=str(engine_dir), image_id="", skipped=False,
+                           seconds=round(time.monotonic() - start, 1))
 
-    def _generate_model(self, variant: Variant, runtime: StageResult) -> Callable[[str, int, Path], None]:
+    def _generate_model(self, variant: Variant, runtime: StageRecord) -> Callable[[str, int, Path], None]:
         def generate(name: str, seed: int, out: Path) -> None:
             out.mkdir(parents=True)
             self._run_in_runtime(variant, runtime, [(out, "/mopt/out", "rw")],
@@ -292,10 +280,10 @@ class Builder:
     def build(self, variant: Variant) -> BuildResult:
         start = time.monotonic()
         self._check_disk()
-        entry = next(e for e in self.matrix.images if e.name == variant.image)
+        entry = self.matrix.image(variant.image)
         rendered = render_variant(self.matrix, variant, self.options.templates, self.runtime_digest,
                                   self.all_variants)
-        render_dir = self.state / "render" / variant.image / variant.tag
+        render_dir = self.state.render_dir(variant.image, variant.tag)
         render_dir.mkdir(parents=True, exist_ok=True)
         for name, text in rendered.files.items():
             (render_dir / name).write_text(text, encoding="utf-8")
@@ -304,20 +292,20 @@ class Builder:
 
         base_ref, base_id = self._base_image(variant)
         lock_files = self._lock_files(variant, render_dir, base_id)
-        lock_digest = _key(*(f"{name}\n{text}" for name, text in sorted(lock_files.items())))
-        base_context = self.state / "contexts" / f"base-{lock_digest[:16]}"
+        lock_digest = sha256_text(*(f"{name}\n{text}" for name, text in sorted(lock_files.items())))
+        base_context = self.state.contexts / f"base-{lock_digest[:16]}"
         self._write_context_lock(base_context, lock_files)
         (base_context / "wheelhouse").mkdir(parents=True, exist_ok=True)
-        base_key = _key(keys["base"], base_id, lock_digest)
+        base_key = sha256_text(keys["base"], base_id, lock_digest)
         base = self._stage(variant, "base", base_key, lambda tag: self._docker_build(
             variant, "base", render_dir / "Dockerfile.base", base_context, tag, base_key,
             {"BASE_IMAGE": base_ref}, {"io.mopt.base.id": base_id}))
         stages.append(base)
 
-        runtime_key = _key(keys["runtime"], base.image_id, self._wheelhouse_digest(), lock_digest)
+        runtime_key = sha256_text(keys["runtime"], base.image_id, self._wheelhouse_digest(), lock_digest)
 
         def build_runtime(tag: str) -> str:
-            context = self.state / "contexts" / f"runtime-{runtime_key[:32]}"
+            context = self.state.context("runtime", runtime_key)
             shutil.rmtree(context, ignore_errors=True)
             _link_tree(RUNTIME_PACKAGE, context / "mopt_runtime")
             self._write_context_lock(context, lock_files)
@@ -334,7 +322,7 @@ class Builder:
         stages.append(runtime)
 
         choice = choose(entry.recipe, self.options.models)
-        model = materialise(entry.recipe, choice, self.state / "models", lambda line: self.log("  " + line),
+        model = materialise(entry.recipe, choice, self.state.models, lambda line: self.log("  " + line),
                             generate=self._generate_model(variant, runtime))
         compiled = self._compile(variant, rendered, render_dir, runtime, model)
         stages.append(compiled)
@@ -342,10 +330,10 @@ class Builder:
         engine_json = json.loads((engine_dir / "engine.json").read_text())
         engine_sha = engine_json.get("engine_sha256", "")
 
-        final_key = _key(keys["final"], compiled.key, runtime.image_id)
+        final_key = sha256_text(keys["final"], compiled.key, runtime.image_id)
 
         def build_final(tag: str) -> str:
-            context = self.state / "contexts" / f"final-{final_key[:32]}"
+            context = self.state.context("final", final_key)
             shutil.rmtree(context, ignore_errors=True)
             _link_tree(engine_dir, context / "engine")
             _link_tree(model.path, context / "model")
@@ -381,7 +369,7 @@ class Builder:
         path = self.options.lock_file
         entry = lock_entry(read_lock(path), path, variant, render_dir)
         base = entry.get("base", {})
-        rootfs = base_module.load_base(self.state / "bases", base.get("ref", "")) if base.get("kind") == "rootfs" \
+        rootfs = base_module.load_base(self.state.bases, base.get("ref", "")) if base.get("kind") == "rootfs" \
             else None
         if base.get("kind") == "rootfs" and (rootfs is None or rootfs.rootfs_sha256 != base.get("rootfs_sha256")):
             raise ConfigError(f"{path} is stale for {variant.id}: base {base.get('ref')} is not the locked rootfs "
@@ -402,7 +390,7 @@ class Builder:
         for name, text in files.items():
             (lock_dir / name).write_text(text)
 
-    def _verify_parent(self, variant: Variant, runtime: StageResult, tag: str) -> None:
+    def _verify_parent(self, variant: Variant, runtime: StageRecord, tag: str) -> None:
         """The final image must sit on exactly the runtime image the engine was compiled in."""
         runtime_layers = (self._inspect(runtime.image_id) or {}).get("RootFS", {}).get("Layers", [])
         final_layers = (self._inspect(tag) or {}).get("RootFS", {}).get("Layers", [])
@@ -412,20 +400,10 @@ class Builder:
                              "refusing to tag it")
 
     def _record(self, variant: Variant, result: BuildResult) -> None:
-        path = self.state / "variants" / variant.image / f"{variant.tag}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # atomic: a killed build leaves the old record
-        tmp.write_text(dump_json({
-            "id": variant.id, "image_id": result.image_id, "references": list(result.references),
-            "engine_dir": str(result.engine_dir), "engine_sha256": result.engine_sha256,
-            "model": {"source": result.model.source, "digest": result.model.digest,
-                      "dimension": result.model.dimension, "substituted": result.model.substituted},
-            "stages": [{"name": s.name, "key": s.key, "image": s.image, "image_id": s.image_id,
-                        "skipped": s.skipped, "seconds": s.seconds} for s in result.stages],
-            "size_bytes": result.size_bytes}))
-        os.replace(tmp, path)
-
-
-def load_record(state_dir: Path, variant: Variant) -> dict | None:
-    path = state_dir / "variants" / variant.image / f"{variant.tag}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+        model = result.model
+        self.state.write_record(variant.image, variant.tag, VariantRecord(
+            id=variant.id, image_id=result.image_id, references=result.references, engine_dir=result.engine_dir,
+            engine_sha256=result.engine_sha256,
+            model=ModelRecord(source=model.source, digest=model.digest, dimension=model.dimension,
+                              substituted=model.substituted),
+            stages=result.stages, size_bytes=result.size_bytes))

@@ -11,7 +11,6 @@ checks the host, and runs each image's smoke test locally.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -25,20 +24,13 @@ from urllib.parse import quote
 from . import __version__
 from .dockerclient import DockerCli, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem, SmokeTestError
+from .hashing import dump_json, sha256_file
 from .plan import Variant
-from .render import dump_json
+from .state import StateDir, VariantRecord
 
 Log = Callable[[str], None]
 SUMS = "SHA256SUMS"
 ENGINE_DIR = "/opt/mopt/engine"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _in_image(docker: DockerCli, image: str, script: str) -> str:
@@ -68,8 +60,8 @@ def sbom(docker: DockerCli, image_id: str, reference: str) -> dict:
             "components": components}
 
 
-def export(variants: list[tuple[Variant, dict, dict]], out: Path, *, state_dir: Path, fmt: str = "docker",
-           log: Log = print) -> Path:
+def export(variants: list[tuple[Variant, VariantRecord, dict]], out: Path, *, state: StateDir,
+           fmt: str = "docker", log: Log = print) -> Path:
     """variants: (variant, build record, smoke spec dict) of images that passed their smoke test."""
     docker = find_docker()
     as_tar = out.suffix == ".tar"
@@ -82,31 +74,31 @@ def export(variants: list[tuple[Variant, dict, dict]], out: Path, *, state_dir: 
         for variant, record, smoke in variants:
             stem = f"{variant.image}_{variant.tag}"
             archive = root / "images" / f"{stem}.tar"
-            log(f"export {variant.id}: {record['image_id'][:19]} -> images/{archive.name}")
+            log(f"export {variant.id}: {record.image_id[:19]} -> images/{archive.name}")
             if fmt == "oci":
-                run_docker(["tag", record["image_id"], record["references"][0]], docker=docker)
+                run_docker(["tag", record.image_id, record.references[0]], docker=docker)
                 result = subprocess.run(
-                    ["skopeo", "copy", "--quiet", f"docker-daemon:{record['references'][0]}",
-                     f"oci-archive:{archive}:{record['references'][0]}"], capture_output=True, text=True)
+                    ["skopeo", "copy", "--quiet", f"docker-daemon:{record.references[0]}",
+                     f"oci-archive:{archive}:{record.references[0]}"], capture_output=True, text=True)
                 if result.returncode != 0:
                     raise BuildError(f"skopeo copy to an OCI archive failed: {result.stderr.strip()[-300:]}")
             else:
-                run_docker(["save", "-o", str(archive), *record["references"]], docker=docker, timeout=1800)
+                run_docker(["save", "-o", str(archive), *record.references], docker=docker, timeout=1800)
             (root / "sbom" / f"{stem}.cdx.json").write_text(
-                dump_json(sbom(docker, record["image_id"], record["references"][0])))
-            index["variants"].append({"id": variant.id, "references": record["references"],
-                                      "image_id": record["image_id"], "archive": f"images/{archive.name}",
+                dump_json(sbom(docker, record.image_id, record.references[0])))
+            index["variants"].append({"id": variant.id, "references": list(record.references),
+                                      "image_id": record.image_id, "archive": f"images/{archive.name}",
                                       "sbom": f"sbom/{stem}.cdx.json", "device": variant.device,
                                       "sm": variant.resolved.get("sm"),
                                       "min_driver": variant.resolved.get("min_driver"),
                                       "smoke": smoke})
-        for name, source in (("report.json", state_dir / "reports" / "latest.json"),
+        for name, source in (("report.json", state.reports / "latest.json"),
                              ("mopt.lock.json", Path("mopt.lock.json"))):
             if source.is_file():
                 shutil.copy(source, root / name)
         (root / "bundle.json").write_text(dump_json(index))
         files = sorted(p for p in root.rglob("*") if p.is_file())
-        (root / SUMS).write_text("".join(f"{_sha256(p)}  {p.relative_to(root).as_posix()}\n" for p in files))
+        (root / SUMS).write_text("".join(f"{sha256_file(p)}  {p.relative_to(root).as_posix()}\n" for p in files))
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         if as_tar:
@@ -135,7 +127,7 @@ def verify(root: Path) -> dict:
         path = root / name
         if not path.is_file():
             raise ConfigError(f"bundle is missing {name}")
-        if _sha256(path) != digest:
+        if sha256_file(path) != digest:
             raise ConfigError(f"checksum mismatch for {name}: the bundle is corrupt or was changed")
     return json.loads((root / "bundle.json").read_text())
 

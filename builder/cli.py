@@ -388,22 +388,22 @@ def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm:
               help="docker archive (docker load) or OCI archive (skopeo).")
 def export_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path, out: Path, image_format: str) -> None:
     """Write an air-gap bundle: images, sha256 sums, lock, report and a CycloneDX SBOM per image."""
-    from .build import load_record
     from .bundle import export
-    from .release import smoke_passed
+    from .state import StateDir
 
     matrix, result = _plan(matrix_path, select)
+    state = StateDir(state_dir)
     chosen = []
     for variant in result.variants:
-        record = load_record(state_dir, variant)
-        if record is None or not smoke_passed(state_dir, variant, record):
+        record = state.read_record(variant.image, variant.tag)
+        if record is None or not state.smoke_passed(variant.image, variant.tag, record):
             raise ConfigError(f"{variant.id} has not been built and smoke-tested here (mopt release --select "
                               f"'{variant.id}'); only tested images are exported")
-        recipe = next(e for e in matrix.images if e.name == variant.image).recipe
+        recipe = matrix.image(variant.image).recipe
         chosen.append((variant, record, {"port": recipe.port, "inputs": list(recipe.smoke_inputs),
-                                         "dimension": record["model"]["dimension"], "min_cosine": recipe.min_cosine,
+                                         "dimension": record.model.dimension, "min_cosine": recipe.min_cosine,
                                          "normalize": recipe.normalize, "start_timeout_s": recipe.start_timeout_s}))
-    path = export(chosen, out, state_dir=state_dir, fmt=image_format, log=click.echo)
+    path = export(chosen, out, state=state, fmt=image_format, log=click.echo)
     click.echo(f"bundle: {path}")
 
 

@@ -50,7 +50,7 @@ def _registry(root: Path, port: int) -> LocalRegistry:
 
 def run_demo(matrix_path: str, options: BuildOptions, port: int, serve_port: int) -> None:
     docker = find_docker()
-    registry = _registry(options.state_dir / "registry", port)
+    registry = _registry(options.state.registry, port)
     report = run_release(matrix_path, DEMO_SELECT, options, steps=("build", "test", "publish"),
                          registry=registry.address)
     row = report.variants[0]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from .dockerclient import DockerCli, run_docker
 from .errors import BuildError, ConfigError
+from .hashing import dump_json, sha256_text
 from .plan import Variant
-from .render import dump_json, sha256_text
 
 LOCK_FILE = "mopt.lock.json"
 Log = Callable[[str], None]
@@ -105,31 +105,31 @@ def requirements_text(entry: dict) -> str:
 def make_lock(matrix, variants, options, path: Path, log: Log = print) -> dict:
     """Lock every selected (built) variant's runtime and merge the entries into the lock file."""
     from .base import load_base
-    from .build import load_record
     from .dockerclient import find_docker
 
     docker = find_docker()
+    state = options.state
     wheels = [p for d in options.find_links for p in sorted(d.iterdir()) if p.suffix == ".whl"]
     entries: dict = {}
     for variant in variants:
-        record = load_record(options.state_dir, variant)
+        record = state.read_record(variant.image, variant.tag)
         if record is None:
             raise BuildError(f"{variant.id} is not built; nothing to lock")
-        key = lock_key(options.state_dir / "render" / variant.image / variant.tag)
+        key = lock_key(state.render_dir(variant.image, variant.tag))
         if key in entries:
             entries[key]["variants"].append(variant.id)
             continue
         spec = matrix.bases[variant.resolved["base"]["name"]]
         base: dict = {"name": spec.name, "kind": spec.kind, "ref": variant.resolved["base"]["ref"]}
         if spec.kind == "rootfs":
-            state = load_base(options.state_dir / "bases", spec.image)
-            base["rootfs_sha256"] = state.rootfs_sha256 if state else ""
+            rootfs = load_base(state.bases, spec.image)
+            base["rootfs_sha256"] = rootfs.rootfs_sha256 if rootfs else ""
         else:
             info = json.loads(run_docker(["image", "inspect", base["ref"]], docker=docker).stdout)[0]
             base["image_id"], base["repo_digests"] = info["Id"], info.get("RepoDigests", [])
-        runtime = next(s for s in record["stages"] if s["name"] == "runtime")
-        log(f"locking {variant.id} (runtime {runtime['image_id'][:19]})")
+        runtime = record.stage("runtime")
+        log(f"locking {variant.id} (runtime {runtime.image_id[:19]})")
         entries[key] = {"variants": [variant.id], "base": base,
-                        **lock_runtime(docker, runtime["image_id"], wheels, options.ca_bundle)}
+                        **lock_runtime(docker, runtime.image_id, wheels, options.ca_bundle)}
     write_lock(path, entries, read_lock(path) if path.is_file() else None)
     return entries

@@ -75,6 +75,12 @@ class Matrix:
     bases: dict  # name -> BaseSpec
     images: tuple[ImageEntry, ...]
 
+    def image(self, name: str) -> ImageEntry:
+        for entry in self.images:
+            if entry.name == name:
+                return entry
+        raise ConfigError(f"no image {name!r} in {self.path} (images: {', '.join(e.name for e in self.images)})")
+
 
 def _normalise(doc: YamlDocument, path: tuple, axis: str, value) -> str:
     if axis == "sm":

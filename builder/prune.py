@@ -9,14 +9,14 @@ its stages); images without the label (the rootfs bases, anything not ours) are 
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .build import KEY_LABEL
 from .dockerclient import DockerCli, docker_free_gib, run_docker
-from .errors import ConfigError, EnvironmentProblem
+from .errors import EnvironmentProblem
+from .state import StateDir
 
 Log = Callable[[str], None]
 
@@ -37,19 +37,12 @@ class PruneResult:
 
 
 def referenced_image_ids(state_dirs: Iterable[Path]) -> set[str]:
-    """Image ids named by the variant records (state/variants/<image>/<tag>.json) of STATE_DIRS."""
+    """Image ids named by the variant records of STATE_DIRS (an unreadable record is an error: it might
+    name images a user still needs, so prune refuses rather than guess)."""
     ids: set[str] = set()
     for state in state_dirs:
-        for record_path in sorted((state / "variants").glob("*/*.json")):
-            try:
-                record = json.loads(record_path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as exc:
-                # A record we cannot read might name images a user still needs: refuse rather than guess.
-                raise ConfigError(f"{record_path}: unreadable variant record ({exc}); "
-                                  "fix or delete it, then prune") from exc
-            ids.add(record.get("image_id", ""))
-            ids.update(stage.get("image_id", "") for stage in record.get("stages", []))
-    ids.discard("")
+        for _, record in StateDir(state).records():
+            ids |= record.image_ids()
     return ids
 
 

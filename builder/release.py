@@ -11,12 +11,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from .build import Builder, BuildOptions, load_record
+from .build import Builder, BuildOptions
 from .errors import MoptError, PublishError, SmokeTestError
+from .hashing import sha256_text
 from .matrix import load_matrix
 from .plan import Variant, make_plan
-from .render import dump_json, sha256_text
 from .report import ReleaseReport, VariantReport
+from .state import SmokeRecord, StateDir, VariantRecord
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -25,37 +26,30 @@ def _say(message: str) -> None:
     console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {escape(message)}")
 
 
-def _smoke_path(state: Path, variant: Variant) -> Path:
-    return state / "variants" / variant.image / f"{variant.tag}.smoke.json"
-
-
-def _smoke(state: Path, matrix, variant: Variant, record: dict, row: VariantReport) -> None:
+def _smoke(state: StateDir, matrix, variant: Variant, record: VariantRecord, row: VariantReport) -> None:
     from .smoke import SmokeSpec, smoke_test
 
-    recipe = next(e for e in matrix.images if e.name == variant.image).recipe
-    engine_dir = Path(record["engine_dir"])
+    recipe = matrix.image(variant.image).recipe
+    engine_dir = record.engine_dir
     reference_file = engine_dir / "reference.json"  # chat engines have no embedding reference
-    spec = SmokeSpec(image=record["image_id"], port=recipe.port, inputs=recipe.smoke_inputs,
-                     dimension=record["model"]["dimension"], min_cosine=recipe.min_cosine,
+    spec = SmokeSpec(image=record.image_id, port=recipe.port, inputs=recipe.smoke_inputs,
+                     dimension=record.model.dimension, min_cosine=recipe.min_cosine,
                      normalize=recipe.normalize,
                      reference=json.loads(reference_file.read_text()) if reference_file.is_file() else {},
                      engine_json=json.loads((engine_dir / "engine.json").read_text()),
                      start_timeout_s=recipe.start_timeout_s, gpu=variant.device == "cuda", task=recipe.task)
     # A pass is reused only for the same image and the same checks (dimension, inputs, threshold).
     smoke_key = sha256_text(json.dumps(asdict(spec), sort_keys=True, default=str))
-    previous = _smoke_path(state, variant)
-    if previous.is_file():
-        old = json.loads(previous.read_text())
-        if old.get("key") == smoke_key and old.get("passed"):
-            _say(f"{variant.id}: smoke test already passed for {record['image_id'][:19]} with these checks; "
-                 "not repeated")
-            row.tested, row.smoke = True, old.get("checks", {})
-            return
+    previous = state.read_smoke(variant.image, variant.tag)
+    if previous is not None and previous.key == smoke_key and previous.passed:
+        _say(f"{variant.id}: smoke test already passed for {record.image_id[:19]} with these checks; not repeated")
+        row.tested, row.smoke = True, previous.checks
+        return
     _say(f"{variant.id}: smoke test in a container")
     result = smoke_test(spec, log=_say)
-    previous.write_text(dump_json({"image_id": record["image_id"], "key": smoke_key, "passed": result.passed,
-                                   "checks": result.checks, "min_cosine": result.min_cosine,
-                                   "start_seconds": result.start_seconds}))
+    state.write_smoke(variant.image, variant.tag, SmokeRecord(
+        image_id=record.image_id, key=smoke_key, passed=result.passed, checks=result.checks,
+        min_cosine=result.min_cosine, start_seconds=result.start_seconds))
     row.smoke = result.checks | {"min_cosine": result.min_cosine, "start_seconds": result.start_seconds}
     if not result.passed:
         raise SmokeTestError(f"{variant.id}: smoke test failed: " + "; ".join(result.failures))
@@ -63,21 +57,14 @@ def _smoke(state: Path, matrix, variant: Variant, record: dict, row: VariantRepo
     _say(f"{variant.id}: smoke test passed (cosine {result.min_cosine:.5f}, healthy after {result.start_seconds}s)")
 
 
-def smoke_passed(state: Path, variant: Variant, record: dict) -> bool:
-    """Whether this exact image passed its last smoke test (publish and export rely on it)."""
-    path = _smoke_path(state, variant)
-    tested = json.loads(path.read_text()) if path.is_file() else {}
-    return bool(tested.get("passed")) and tested.get("image_id") == record["image_id"]
-
-
-def _publish_item(state: Path, variant: Variant, record: dict):
+def _publish_item(state: StateDir, variant: Variant, record: VariantRecord):
     """The PublishItem for a variant whose smoke test passed for exactly this image."""
     from .publish import PublishItem
 
-    if not smoke_passed(state, variant, record):
-        raise PublishError(f"{variant.id}: image {record['image_id'][:19]} has not passed its smoke test; "
+    if not state.smoke_passed(variant.image, variant.tag, record):
+        raise PublishError(f"{variant.id}: image {record.image_id[:19]} has not passed its smoke test; "
                            "not publishing")
-    return PublishItem(variant_id=variant.id, image_id=record["image_id"], repository=variant.repository,
+    return PublishItem(variant_id=variant.id, image_id=record.image_id, repository=variant.repository,
                        long_tag=variant.long_tag, short_tag=variant.tag)
 
 
@@ -121,7 +108,7 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
     plan = make_plan(matrix, select) if select else full
     report = ReleaseReport(started=time.time(), steps=list(steps), registry=registry or "",
                            rejected=[r.to_json() for r in plan.rejected])
-    state = options.state_dir
+    state = options.state
     builder = None
     first_error: MoptError | None = None
     pending: list = []  # (PublishItem, row): published together once every variant is through
@@ -133,21 +120,21 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
         report.variants.append(row)
         step = ""
         try:
-            record = load_record(state, variant)
+            record = state.read_record(variant.image, variant.tag)
             for step in steps:
                 started = time.monotonic()
                 if step == "build":
                     builder = builder or Builder(matrix, full.variants, options, log=_say)
                     _say(f"{variant.id}: build")
                     result = builder.build(variant)
-                    record = load_record(state, variant)
+                    record = state.read_record(variant.image, variant.tag)
                     row.build_work = result.built_anything
                     row.notes += list(result.notes)
                     _say(f"{variant.id}: built {result.image_id[:19]} "
                          + ("" if result.built_anything else "(nothing to build: every stage up to date)"))
                 elif record is None:
                     raise MoptError(f"{variant.id}: not built yet (run mopt build first)")
-                row.built, row.image_id, row.size_bytes = True, record["image_id"], record["size_bytes"]
+                row.built, row.image_id, row.size_bytes = True, record.image_id, record.size_bytes
                 if step == "test":
                     _smoke(state, matrix, variant, record, row)
                 elif step == "publish":
@@ -164,7 +151,7 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
         publish_error = _publish_all(pending, registry or "", dry_run)
         first_error = first_error or publish_error
     report.finished = time.time()
-    json_path, md_path = report.write(state / "reports")
+    json_path, md_path = report.write(state.reports)
     console.print(report.markdown(), markup=False)
     summary = report.summary()
     if "build" in steps and summary["build_work"] == 0 and not summary["failed"]:

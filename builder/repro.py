@@ -16,9 +16,9 @@ from dataclasses import replace
 from .build import Builder, BuildOptions
 from .dockerclient import DockerCli, find_docker, run_docker
 from .errors import BuildError
+from .hashing import dump_json
 from .matrix import Matrix
 from .plan import Variant
-from .render import dump_json
 
 Log = Callable[[str], None]
 
@@ -95,7 +95,7 @@ def verify_repro(matrix: Matrix, all_variants: tuple[Variant, ...], variant: Var
               "identical_image_ids": images[0][1] == images[1][1], "files": len(manifests[0]),
               "differences": differences, "ignored": ignored, "reproducible": not differences,
               "volatile_rules": VOLATILE}
-    path = options.state_dir / "reports" / f"repro-{variant.image}-{variant.tag}.json"
+    path = options.state.repro_report(variant.image, variant.tag)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_json(report))
     report["report_path"] = str(path)

@@ -9,10 +9,10 @@ has no such variant). The H200 run of the same backend is in the README.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from builder.state import StateDir
 from tests.integration.conftest import STATE, copy_matrix
 from tests.integration.conftest import mopt_cli as mopt
 
@@ -47,8 +47,8 @@ def test_inductor_image_is_built_and_smoke_tested(inductor_release):
 
 
 def test_inductor_engine_is_the_standalone_artifact(inductor_release):
-    record = json.loads((STATE / "variants" / "minilm-embed" / "cpu-inductor.json").read_text())
-    engine = Path(record["engine_dir"])
+    record = StateDir(STATE).read_record("minilm-embed", "cpu-inductor")
+    engine = record.engine_dir
     info = json.loads((engine / "engine.json").read_text())
     assert info["backend"] == "torch-inductor" and info["device"] == "cpu"
     files = info["engine_files"]

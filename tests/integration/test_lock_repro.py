@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from builder.dockerclient import find_docker
+from builder.state import StateDir
 from tests.integration.conftest import STATE, copy_matrix
 from tests.integration.conftest import mopt_cli as mopt
 
@@ -37,8 +38,7 @@ def test_locked_build_installs_exactly_the_lock(work):
     result = mopt("build", "--locked", "--select", VARIANT, cwd=work)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "locked: " in result.stderr
-    record = json.loads((STATE / "variants" / "minilm-embed" / "cpu.json").read_text())
-    runtime = next(s for s in record["stages"] if s["name"] == "runtime")["image_id"]
+    runtime = StateDir(STATE).read_record("minilm-embed", "cpu").stage("runtime").image_id
     docker = find_docker()
     frozen = subprocess.run([docker.path, "run", "--rm", "--entrypoint", "python", runtime, "-m", "pip", "freeze",
                              "--all"], capture_output=True, text=True, check=True).stdout.split()

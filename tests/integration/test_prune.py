@@ -6,7 +6,6 @@ test never removes the images other tests of the session built."""
 from __future__ import annotations
 
 import io
-import json
 import subprocess
 import tarfile
 import uuid
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from builder.build import KEY_LABEL
+from builder.state import ModelRecord, StageRecord, StateDir, VariantRecord
 from tests.integration.conftest import mopt_cli
 
 pytestmark = pytest.mark.integration
@@ -40,10 +40,11 @@ def _image_id(docker, ref: str) -> str | None:
 
 
 def _record(state: Path, final_id: str, stage_ids: list[str]) -> None:
-    path = state / "variants" / "img" / "tag.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"id": "img:tag", "image_id": final_id,
-                                "stages": [{"name": f"s{i}", "image_id": s} for i, s in enumerate(stage_ids)]}))
+    StateDir(state).write_record("img", "tag", VariantRecord(
+        id="img:tag", image_id=final_id, references=(), engine_dir=state / "engines" / "x", engine_sha256="",
+        model=ModelRecord(source="generate:test", digest="", dimension=4, substituted=False),
+        stages=tuple(StageRecord(name=f"s{i}", key="", image="", image_id=s, skipped=False, seconds=0.0)
+                     for i, s in enumerate(stage_ids)), size_bytes=0))
 
 
 @pytest.fixture()

@@ -8,7 +8,6 @@ that already built them reuses the engines; a fresh CI machine builds everything
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import requests
@@ -16,6 +15,7 @@ import yaml
 
 from builder.dockerclient import run_docker
 from builder.localregistry import LocalRegistry
+from builder.state import StateDir
 from tests.integration.conftest import STATE, copy_matrix
 from tests.integration.conftest import mopt_cli as mopt
 
@@ -75,8 +75,8 @@ def test_image_labels_and_engine_fingerprint(docker_cli, released):
     row = next(v for v in report["variants"] if v["id"] == "minilm-embed:cpu")
     info = json.loads(run_docker(["image", "inspect", row["image_id"]], docker=docker_cli).stdout)[0]
     labels = info["Config"]["Labels"]
-    record = json.loads((STATE / "variants" / "minilm-embed" / "cpu.json").read_text())
-    engine = json.loads((Path(record["engine_dir"]) / "engine.json").read_text())
+    record = StateDir(STATE).read_record("minilm-embed", "cpu")
+    engine = json.loads((record.engine_dir / "engine.json").read_text())
     assert labels["io.mopt.engine.sha256"] == engine["engine_sha256"] and len(engine["engine_sha256"]) == 64
     assert labels["io.mopt.backend"] == "torch-aot" and labels["io.mopt.torch"] == "2.13.0"
     assert labels["org.opencontainers.image.version"] == row["long_tag"]

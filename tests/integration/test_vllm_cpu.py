@@ -8,13 +8,13 @@ Shares .mopt/test-state with test_release.py, so on a warm machine this reuses t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import requests
 
 from builder.dockerclient import run_docker
 from builder.localregistry import LocalRegistry
+from builder.state import StateDir
 from tests.integration.conftest import STATE, mopt_cli
 
 pytestmark = pytest.mark.integration
@@ -52,8 +52,8 @@ def test_vllm_cpu_released_and_smoke_tested(released):
 def test_vllm_engine_is_the_shipped_compile_cache(docker_cli, released):
     _, _, report = released
     row = next(v for v in report["variants"] if v["id"] == VARIANT)
-    record = json.loads((STATE / "variants" / "minilm-embed" / "cpu-vllm.json").read_text())
-    engine = json.loads((Path(record["engine_dir"]) / "engine.json").read_text())
+    record = StateDir(STATE).read_record("minilm-embed", "cpu-vllm")
+    engine = json.loads((record.engine_dir / "engine.json").read_text())
     assert engine["backend"] == "vllm" and engine["backend_version"].startswith("0.32.0")
     assert engine["vllm"]["cache_files"] > 0 and len(engine["vllm"]["cache_digest"]) == 64
     # Compiled graphs live in torch inductor's cache inside the shipped tree (VLLM_USE_AOT_COMPILE=0).
