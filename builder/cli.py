@@ -6,7 +6,6 @@ Exit codes: 0 ok; 2 bad input; 3 incompatible combination; 4 build; 5 smoke test
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -41,8 +40,8 @@ def _plan(matrix_path: str, select: tuple[str, ...]):
     return matrix, make_plan(matrix, tuple(select))
 
 
-matrix_option = click.option("--matrix", "matrix_path", default=lambda: os.environ.get("MOPT_MATRIX", DEFAULT_MATRIX),
-                             show_default="matrix.yaml or $MOPT_MATRIX", help="The matrix file.")
+matrix_option = click.option("--matrix", "matrix_path", default=DEFAULT_MATRIX, envvar="MOPT_MATRIX",
+                             show_default=True, show_envvar=True, help="The matrix file.")
 select_option = click.option("--select", multiple=True, metavar="GLOB",
                              help="Only variants whose id matches this fnmatch glob (repeatable).")
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
@@ -158,7 +157,7 @@ def matrix_cmd(matrix_path: str, select: tuple[str, ...], github: bool) -> None:
 
 
 state_option = click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-                            default=lambda: os.environ.get("MOPT_STATE_DIR", ".mopt"), show_default=".mopt",
+                            default=".mopt", envvar="MOPT_STATE_DIR", show_default=True, show_envvar=True,
                             help="Where stage records, engines, models, logs and reports live.")
 
 
