@@ -34,7 +34,7 @@ OPTIONS = {"fuse": {"triton.tiling_prevents_reduction_fusion": False}, "notile":
 CHILD = r'''
 import json, re, sys, torch
 sys.path.insert(0, sys.argv[4])
-from builder.runtime.backends.torch_aot import DTYPES, _export, build_module, example_inputs
+from builder.runtime.backends.torch_common import DTYPES, build_module, example_inputs, export_graph
 from builder.runtime.params import EngineParams
 from builder.runtime.sdpa import sdpa_kernels
 from torch._inductor.utils import run_and_get_code
@@ -60,11 +60,11 @@ with torch.no_grad(), (sdpa_kernels() if device == "cuda" else torch.no_grad()):
     if variant == "module":
         fn = module
     else:
-        exported, _ = _export(module, example, params, strip_asserts=variant != "asserts") if variant != "strict" \
+        exported, _ = export_graph(module, example, params, strip_asserts=variant != "asserts") if variant != "strict" \
             else (torch.export.export(module, example, dynamic_shapes={k: {0: torch.export.Dim("b", min=1, max=64),
                   1: torch.export.Dim("s", min=2, max=512)} for k in ("input_ids", "attention_mask")}, strict=True), 0)
         if variant == "strict":
-            from builder.runtime.backends.torch_aot import strip_dtype_asserts
+            from builder.runtime.backends.torch_common import strip_dtype_asserts
             strip_dtype_asserts(exported)
         if variant == "decomposed":
             exported = exported.run_decompositions()

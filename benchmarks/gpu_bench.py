@@ -40,7 +40,7 @@ BACKEND = "torch-inductor"
 # images' g++ is the distribution's.
 VARIANTS = {"cudnn": {"env": {"MOPT_SDPA_BACKENDS": "cudnn,flash,efficient,math"}},
             "aot": {"backend": "torch-aot", "env": {"CXX": "g++"}},
-            # the shape the compile tunes kernels for (torch_aot.tune_shape): 2 x 16 before 2026-11-30
+            # the shape the compile tunes kernels for (torch_common.tune_shape): 2 x 16 before 2026-11-30
             "aot16": {"backend": "torch-aot", "env": {"CXX": "g++", "MOPT_TUNE_SHAPE": "2x16"}},
             # Inductor may fuse a reduction with a 2D-tiled pointwise consumer (benchmarks/fusion_probe.py)
             "aotfuse": {"backend": "torch-aot", "env": {
@@ -216,7 +216,7 @@ def _module(model_dir: Path, a, attention: str = "mask", model_rotary: bool = Fa
     """The eager embedding module of the benchmarked model, the way the backends build it; "mask" with
     model_rotary is the model as transformers runs it (eager with an all-ones mask takes SDPA's flash
     kernel too); without it, the rotary tables are computed as the engines do (rotary.py)."""
-    from builder.runtime.backends.torch_aot import DTYPES, build_module
+    from builder.runtime.backends.torch_common import DTYPES, build_module
 
     return build_module(str(model_dir), module_params(a, attention), DTYPES[a.precision], a.device, model_rotary)
 
@@ -300,12 +300,12 @@ def jit(model_dir: Path, a, spec: str) -> dict:
         model_rotary = not rest or "model" in flags
         module = _module(model_dir, a, attention, model_rotary)
         if "exported" in flags:  # the engines' graph: torch.export with dynamic batch and sequence dims
-            from builder.runtime.backends.torch_aot import _export, example_inputs
+            from builder.runtime.backends.torch_common import example_inputs, export_graph
 
             params = module_params(a, attention)
             example = example_inputs(a.batch, a.seq, a.device, params.pad_left)
             with torch.no_grad():
-                module = _export(module, example, params, strip_asserts="asserts" not in flags)[0].module()
+                module = export_graph(module, example, params, strip_asserts="asserts" not in flags)[0].module()
         compiled = torch.compile(module, mode=mode, dynamic=True if "dynamic" in flags else None)
         warm, dt = _timed(compiled, a, a.batch, a.seq, 10)
         mixed = mixed_workload(_jit_engine(compiled, model_dir, a, attention), a.seq)
@@ -346,7 +346,7 @@ from benchmarks.gpu_bench import profile_calls
 target, b, s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ids = torch.randint(0, 500, (b, s)); mask = torch.ones_like(ids)
 if target == "eager":  # argv: eager b s model_dir precision
-    from builder.runtime.backends.torch_aot import DTYPES, build_module
+    from builder.runtime.backends.torch_common import DTYPES, build_module
     from builder.runtime.params import EngineParams
     params = EngineParams(backend="torch-inductor", device="cuda", precision=sys.argv[5], pooling="last",
                           max_batch=b, max_seq_len=s)

@@ -122,13 +122,13 @@ def cmd_check(a) -> dict:
 
 def cmd_serve(a) -> None:
     from . import fingerprint
-    from .backends import BACKENDS_WITH_OWN_SERVER, get_backend
+    from .backends import backend_info, get_backend
     from .engine import Engine
     from .guard import resolve
     from .server import EmbeddingService, ServerLimits, serve
 
     info = fingerprint.read(a.engine_dir)
-    if info["backend"] in BACKENDS_WITH_OWN_SERVER:  # vllm, tensorrt-llm: the guard, then their OpenAI server
+    if backend_info(info["backend"]).own_server:  # vllm, tensorrt-llm: the guard, then their OpenAI server
         engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
         get_backend(data["backend"]).exec_serve(engine_dir, data, a.host, a.port)
         return

@@ -11,13 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import fingerprint
-from .backends import get_backend
+from .backends import backend_info, get_backend
 from .errors import GuardError
+from .fitting import ENV_CACHE, ENV_RECOMPILE, fitting_tag, sm_label
 from .hostinfo import HostFacts, host_facts
 from .params import EngineParams
 
-ENV_RECOMPILE = "MOPT_RECOMPILE_ON_MISMATCH"
-ENV_CACHE = "MOPT_ENGINE_CACHE"
 LAST_CHECK_SECONDS: dict[str, float] = {}  # each overlapped part of the last check() (start-up benchmarks read it)
 
 
@@ -46,52 +45,24 @@ def _integrity(out_dir: Path, data: dict) -> None:
                          "rebuild or re-pull the image")
 
 
-def _sm_label(sm: str | None, name: str | None) -> str:
-    return f"sm_{sm} ({name})" if name else f"sm_{sm}"
-
-
-def fitting_tag(image: dict | None, facts: HostFacts) -> str:
-    """Advice naming the published tag that fits this host, or saying plainly that none does."""
-    if not image or not image.get("repository"):
-        return ("no image info in engine.json to name a fitting tag; recompile on this host "
-                f"(compile) or set {ENV_RECOMPILE}=1 and {ENV_CACHE}=/path")
-    repo, by_sm = image["repository"], image.get("tags_by_sm") or {}
-    key = facts.sm or "cpu"
-    host = f"sm_{facts.sm}" if facts.sm else "a host without a CUDA GPU"
-    if key in by_sm:
-        return f"pull {repo}:{by_sm[key]}"
-    if by_sm:
-        published = ", ".join(f"sm_{k}" if k != "cpu" else "cpu" for k in sorted(by_sm))
-        return f"no published tag of {repo} fits {host} (published: {published})"
-    template = image.get("tag_template")
-    if template and facts.sm and facts.cuda:
-        try:
-            tag = template.format(cuda=facts.cuda.replace(".", ""), sm=facts.sm)
-        except (KeyError, IndexError, ValueError):
-            tag = None
-        if tag:
-            return f"no list of published tags; the tag for this host would be {repo}:{tag} if it exists"
-    return f"no published tag of {repo} is known to fit {host}"
-
-
 def _environment(data: dict, facts: HostFacts) -> list[str]:
     diffs = []
     if data["device"] == "cuda":
-        built = _sm_label(data["target_sm"], data.get("gpu_name"))
+        built = sm_label(data["target_sm"], data.get("gpu_name"))
         if facts.sm is None:
             diffs.append(f"engine built for {built} but this host has no usable CUDA GPU")
         elif facts.sm != str(data["target_sm"]):
             diffs.append(f"engine built for {built} but this host's GPU is "
-                         f"{_sm_label(facts.sm, facts.gpu_name)}")
+                         f"{sm_label(facts.sm, facts.gpu_name)}")
     if data["torch"] != facts.torch:
         diffs.append(f"engine built with torch {data['torch']} but this host runs torch {facts.torch}")
     if data["cuda"] != facts.cuda:
         diffs.append(f"engine built with CUDA {data['cuda']} but this host's torch has CUDA {facts.cuda}")
     if data["tensorrt"] != facts.tensorrt:
         diffs.append(f"engine built with TensorRT {data['tensorrt']} but this host has {facts.tensorrt}")
+    # A torch backend's version is torch's, already compared above (against facts, so tests can fake it).
     backend = get_backend(data["backend"])
-    # torch-aot's version is torch's, already compared above (against facts, so tests can fake it).
-    if not getattr(backend, "VERSION_IS_TORCH", False) and data["backend_version"] != backend.version():
+    if not backend_info(data["backend"]).version_is_torch and data["backend_version"] != backend.version():
         backend_version = backend.version()
         diffs.append(f"engine built with {data['backend']} {data['backend_version']} "
                      f"but this host has {backend_version}")
@@ -117,9 +88,8 @@ def check(out_dir: str | Path, facts: HostFacts | None = None) -> dict:
         # (torch._inductor: seconds) overlap instead of adding up.
         pending = None if facts else pool.submit(timed, "host_facts", host_facts)
         integrity = pool.submit(timed, "integrity", _integrity, out_dir, data)
-        prepare = getattr(get_backend(data["backend"]), "prepare", None)
-        if prepare is not None:
-            timed("backend_prepare", prepare, data["device"])
+        if backend_info(data["backend"]).prepares:
+            timed("backend_prepare", get_backend(data["backend"]).prepare, data["device"])
         integrity.result()
         facts = facts or pending.result()
     diffs = _environment(data, facts)

@@ -141,7 +141,7 @@ def test_onnx_export_tiny_qwen3_dynamic_axes(tmp_path):
     import torch
     from onnx.reference import ReferenceEvaluator
 
-    from builder.runtime.backends.torch_aot import build_module
+    from builder.runtime.backends.torch_common import build_module
     from builder.runtime.tiny_qwen3 import make_tiny_qwen3
 
     model = make_tiny_qwen3(tmp_path / "model", 0)

@@ -135,7 +135,7 @@ def _padded_embeddings(tiny: Path, attention: str, pad_left: bool) -> tuple[list
     """(batched embeddings with the given padding side, unpadded one-by-one embeddings) of MIXED."""
     import torch
 
-    from builder.runtime.backends.torch_aot import build_module
+    from builder.runtime.backends.torch_common import build_module
 
     params = EngineParams(backend="torch-inductor", pooling="last", attention=attention, max_batch=4, max_seq_len=32)
     module = build_module(str(tiny), params, torch.float32, "cpu")
@@ -167,12 +167,12 @@ def test_causal_attention_right_padded_batch_is_exact(tiny):
 def test_causal_attention_params_pad_right_and_graph_has_no_mask(tiny):
     import torch
 
-    from builder.runtime.backends import torch_aot
+    from builder.runtime.backends import torch_common
 
     params = EngineParams(backend="torch-inductor", pooling="last", attention="causal", max_batch=4, max_seq_len=32)
     assert not params.pad_left and EngineParams(pooling="last").pad_left
-    exported, _ = torch_aot._export(torch_aot.build_module(str(tiny), params, torch.float32, "cpu"),
-                                    torch_aot.example_inputs(4, 16, "cpu", params.pad_left), params)
+    exported, _ = torch_common.export_graph(torch_common.build_module(str(tiny), params, torch.float32, "cpu"),
+                                    torch_common.example_inputs(4, 16, "cpu", params.pad_left), params)
     sdpa = [n for n in exported.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
     assert sdpa and all(n.args[3] is None and n.args[5] is True for n in sdpa)  # attn_mask None, is_causal
 
@@ -248,7 +248,7 @@ def test_torch_aot_load_needs_no_inductor_import(tiny_engine):
 def test_torch_aot_tunes_for_the_largest_shape_by_default(tiny_engine, monkeypatch):
     """The export example's sizes are the hints Inductor tunes kernels for: max_batch x max_seq_len
     unless MOPT_TUNE_SHAPE says otherwise; engine.json records the shape."""
-    from builder.runtime.backends.torch_aot import ENV_TUNE_SHAPE, tune_shape
+    from builder.runtime.backends.torch_common import ENV_TUNE_SHAPE, tune_shape
     from builder.runtime.errors import UsageError
 
     assert fingerprint.read(tiny_engine)["tuned_for"] == "4x32"
@@ -285,13 +285,13 @@ def test_exported_graph_fuses_rms_norm_like_the_module(tiny):
     import torch
     from torch._inductor.utils import run_and_get_code
 
-    from builder.runtime.backends import torch_aot
+    from builder.runtime.backends import torch_common
 
     params = EngineParams(backend="torch-aot", pooling="last", attention="causal", max_batch=4, max_seq_len=32)
-    module = torch_aot.build_module(str(tiny), params, torch.float32, "cpu")
-    example = torch_aot.example_inputs(4, 32, "cpu", params.pad_left)
+    module = torch_common.build_module(str(tiny), params, torch.float32, "cpu")
+    example = torch_common.example_inputs(4, 32, "cpu", params.pad_left)
     with torch.no_grad():
-        exported, _ = torch_aot._export(module, example, params)
+        exported, _ = torch_common.export_graph(module, example, params)
         assert not [n for n in exported.graph.nodes if "_assert_tensor_metadata" in str(n.target)]
         torch._dynamo.reset()
         _, code = run_and_get_code(torch.compile(exported.module(), dynamic=True), *example)
@@ -303,7 +303,7 @@ def test_exported_graph_fuses_rms_norm_like_the_module(tiny):
 def test_inductor_options_from_the_environment(monkeypatch):
     """MOPT_INDUCTOR_OPTIONS adds Inductor config patches to the compile mode's, checked against
     this torch's config names; bad input is a UsageError naming the variable."""
-    from builder.runtime.backends.torch_aot import ENV_INDUCTOR_OPTIONS, inductor_options
+    from builder.runtime.backends.torch_common import ENV_INDUCTOR_OPTIONS, inductor_options
     from builder.runtime.errors import UsageError
 
     monkeypatch.delenv(ENV_INDUCTOR_OPTIONS, raising=False)
@@ -334,23 +334,23 @@ def test_rotary_tables_as_a_product_same_values_no_matmul(tiny, monkeypatch):
     Inductor from fusing q/k norm + RoPE on the H200). The reference keeps the model's own forward."""
     import torch
 
-    from builder.runtime.backends import torch_aot
+    from builder.runtime.backends import torch_common
     from builder.runtime.rotary import rotary_as_product
 
-    rotary_cls = type(torch_aot.load_body(str(tiny), torch.float32, "cpu").rotary_emb)
+    rotary_cls = type(torch_common.load_body(str(tiny), torch.float32, "cpu").rotary_emb)
     monkeypatch.setattr(rotary_cls, "forward", _matmul_rotary_forward)  # as on transformers 5.17
     params = EngineParams(backend="torch-aot", pooling="last", attention="causal", max_batch=4, max_seq_len=32)
-    example = torch_aot.example_inputs(4, 32, "cpu", params.pad_left)
+    example = torch_common.example_inputs(4, 32, "cpu", params.pad_left)
 
     def rotary_matmuls(module) -> int:
         with torch.no_grad():
-            exported, _ = torch_aot._export(module, example, params)
+            exported, _ = torch_common.export_graph(module, example, params)
         # linears export as mm/addmm and attention as SDPA: a bmm or matmul here is the rotary table's
         return sum(1 for n in exported.graph.nodes if n.target in (torch.ops.aten.bmm.default,
                                                                    torch.ops.aten.matmul.default))
 
-    model = torch_aot.build_module(str(tiny), params, torch.float32, "cpu", model_rotary=True)
-    ours = torch_aot.build_module(str(tiny), params, torch.float32, "cpu")
+    model = torch_common.build_module(str(tiny), params, torch.float32, "cpu", model_rotary=True)
+    ours = torch_common.build_module(str(tiny), params, torch.float32, "cpu")
     assert rotary_matmuls(model) >= 1 and rotary_matmuls(ours) == 0
     positions = torch.arange(32).unsqueeze(0).repeat(2, 1)
     x = torch.zeros(1, dtype=torch.bfloat16)
@@ -358,6 +358,6 @@ def test_rotary_tables_as_a_product_same_values_no_matmul(tiny, monkeypatch):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     with torch.no_grad():
         assert torch.equal(ours(*example), model(*example))
-    other = torch_aot.load_body(str(tiny), torch.float32, "cpu")
+    other = torch_common.load_body(str(tiny), torch.float32, "cpu")
     other.rotary_emb.rope_type = "dynamic"  # its decorator updates inv_freq per call: left alone
     assert rotary_as_product(other) == 0

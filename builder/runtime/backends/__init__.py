@@ -1,24 +1,82 @@
-"""Engine backends: one module each, same three functions.
+"""Engine backends: the contract every backend module fulfils, and the one registry of them.
 
-compile(model_dir, params, out_dir) -> dict of fingerprint fields
-load(engine_dir, params) -> callable(input_ids, attention_mask) -> float32 embeddings
-reference(model_dir, texts, params) -> list[list[float]] (fp32 eager transformers)
+A backend is a module of this package that defines every function of EngineBackend, including the
+ones its capabilities make trivial (prepare, exec_serve), so callers never probe for attributes. Its
+capabilities are declared here, in its registry entry, so the server process can decide how to serve
+without importing the backend (torch, vLLM ...). Code the torch backends share lives in
+torch_common.py; a backend never imports another backend or the guard (tests/unit/test_boundaries.py).
+
+Adding a backend: docs/backends.md has the checklist (this registry is one line of it).
 """
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import UsageError
+from ..params import EngineParams
 
-# torch-aot (.pt2, C++) is the CUDA engine of the aot flavours; torch-inductor (Python wrapper + Triton
-# kernels) is the alternative form, with a slower start (README, GPU performance).
-BACKENDS = {"torch-aot": "torch_aot", "torch-inductor": "torch_inductor", "tensorrt": "tensorrt",
-            "tensorrt-llm": "tensorrt_llm", "vllm": "vllm_backend"}
-# These serve through their own OpenAI server (exec_serve) after the guard, not through ours.
-BACKENDS_WITH_OWN_SERVER = ("tensorrt-llm", "vllm")
+# Embeddings for a padded batch: (input_ids, attention_mask) -> float32 [batch, dim].
+EngineCall = Callable[[Any, Any], Any]
 
 
-def get_backend(name: str):
-    if name not in BACKENDS:
-        raise UsageError(f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}")
-    return importlib.import_module(f".{BACKENDS[name]}", __name__)
+@runtime_checkable
+class EngineBackend(Protocol):
+    """The functions a backend module defines."""
+
+    def version(self) -> str:
+        """The backend's version in this environment ("not-installed" when it is absent)."""
+
+    def compile(self, model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
+        """Write the engine into out_dir; return {"artifact", "embedding_dim", "export_dims", "fingerprint"?}."""
+
+    def load(self, engine_dir: str | Path, params: EngineParams) -> EngineCall:
+        """The compiled engine as a callable (own-server backends raise: their server loads it)."""
+
+    def reference(self, model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
+        """fp32 eager embeddings of texts, the accuracy ground truth ([] for a chat model)."""
+
+    def prepare(self, device: str) -> None:
+        """Start-up work that needs no engine file, overlapped with the guard's hashing (a no-op unless
+        the registry says `prepares`)."""
+
+    def exec_serve(self, out_dir: str | Path, data: dict, host: str, port: int) -> None:
+        """Replace this process with the backend's own server (own_server only; others raise UsageError)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendInfo:
+    module: str  # the module of this package that implements EngineBackend
+    own_server: bool  # served by its own OpenAI server (exec_serve after the guard), not by mopt's server
+    version_is_torch: bool  # its version is torch's, which the guard compares already
+    prepares: bool  # prepare() does start-up work worth overlapping with the guard's hashing
+
+
+# The one place a backend is registered (the host side describes it in builder/data/backends/<name>.yaml).
+BACKENDS: dict[str, BackendInfo] = {
+    "torch-aot": BackendInfo(module="torch_aot", own_server=False, version_is_torch=True, prepares=False),
+    "torch-inductor": BackendInfo(module="torch_inductor", own_server=False, version_is_torch=True, prepares=True),
+    "tensorrt": BackendInfo(module="tensorrt", own_server=False, version_is_torch=False, prepares=False),
+    "tensorrt-llm": BackendInfo(module="tensorrt_llm", own_server=True, version_is_torch=False, prepares=False),
+    "vllm": BackendInfo(module="vllm_backend", own_server=True, version_is_torch=False, prepares=False),
+}
+
+
+def backend_info(name: str) -> BackendInfo:
+    """A backend's capabilities, without importing it."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise UsageError(f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}") from None
+
+
+def get_backend(name: str) -> EngineBackend:
+    """The backend module for NAME, imported on first use (backends import torch, TensorRT, vLLM ...)."""
+    module = importlib.import_module(f".{backend_info(name).module}", __name__)
+    if not isinstance(module, EngineBackend):
+        raise TypeError(f"backend module {module.__name__} does not define every EngineBackend function "
+                        "(see builder/runtime/backends/__init__.py)")
+    return module

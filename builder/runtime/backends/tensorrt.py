@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..errors import GuardError
+from ..errors import GuardError, UsageError
 from ..params import EngineParams
 
 ARTIFACT = "model.plan"
@@ -107,7 +107,7 @@ _SERIAL = re.compile(r"stdVersionRead == serializationVersion|Version tag does n
 def map_error(text: str, data: dict | None = None, facts=None) -> GuardError | None:
     """TensorRT's own deserialisation error text -> the guard's actionable GuardError (exit 3), or None
     when the text is no known portability error. data: engine.json; facts: hostinfo.HostFacts."""
-    from ..guard import fitting_tag
+    from ..fitting import fitting_tag
     from ..hostinfo import HostFacts
 
     facts = facts or HostFacts(torch="", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None)
@@ -144,11 +144,11 @@ def export_onnx(model_dir: str, params: EngineParams, path: str | Path) -> Path:
     the TensorRT builder applies the precision flags."""
     import torch
 
-    from .torch_aot import _example, build_module
+    from .torch_common import build_module, tuned_example
 
     path = Path(path)
     module = build_module(model_dir, params, torch.float32, "cpu")
-    example = _example(params, "cpu", pad_left=params.pooling == "last")
+    example = tuned_example(params, "cpu", pad_left=params.pooling == "last")
     dynamic_axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
                     OUTPUT: {0: "batch"}}
     kwargs = dict(input_names=list(INPUTS), output_names=[OUTPUT], opset_version=params.trt_opset)
@@ -309,9 +309,17 @@ def load(engine_dir: str | Path, params: EngineParams):
 
 
 def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
-    from .torch_aot import reference as eager_reference
+    from .torch_common import eager_reference
 
     return eager_reference(model_dir, texts, params)
+
+
+def prepare(device: str) -> None:
+    """Nothing to warm before the load."""
+
+
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+    raise UsageError("tensorrt engines are served by mopt's own server, not exec_serve")
 
 
 def which_trtexec() -> str | None:

@@ -107,6 +107,10 @@ def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[li
     return []  # a chat image has no embedding reference; its smoke test talks to trtllm-serve
 
 
+def prepare(device: str) -> None:
+    """Nothing to warm: trtllm-serve loads the engine."""
+
+
 def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
     params = EngineParams.from_dict(data["params"])
     engine_dir = Path(out_dir) / "engine"

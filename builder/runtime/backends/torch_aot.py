@@ -12,160 +12,37 @@ build with the cause named, instead of shipping an image that dies at start.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import UsageError
 from ..params import EngineParams
-from ..pooling import EmbeddingModule, load_body
-from ..rotary import rotary_as_product
 from ..sdpa import sdpa_kernels, sdpa_summary
-from ..tokenization import TextEncoder
+from .torch_common import DTYPES, build_module, eager_reference, export_graph, inductor_options, tuned_example
 
 ARTIFACT = "model.pt2"
-VERSION_IS_TORCH = True  # the guard's torch check covers the backend version
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-log = logging.getLogger(__name__)
 
 
 def version() -> str:
     return torch.__version__
 
 
-def build_module(model_dir: str, params: EngineParams, dtype: torch.dtype, device: str,
-                 model_rotary: bool = False) -> EmbeddingModule:
-    return wrap_body(load_body(model_dir, dtype, device, params.attention), params, model_rotary)
-
-
-def wrap_body(body, params: EngineParams, model_rotary: bool = False) -> EmbeddingModule:
-    """A transformers body as the embedding module the engine params describe; its rotary tables as a
-    product (rotary.py: same values, fusible) unless model_rotary (the model as transformers runs it)."""
-    if hasattr(body.config, "use_cache"):
-        body.config.use_cache = False  # no KV cache objects in an embedding graph
-    if not model_rotary:
-        rotary_as_product(body)
-    return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left)
-
-
-ENV_TUNE_SHAPE = "MOPT_TUNE_SHAPE"  # BATCHxSEQ the compile tunes kernels for; default the largest
-
-
-def tune_shape(params: EngineParams) -> tuple[int, int]:
-    """The example shape the graph is exported with. Both dims stay dynamic, but its sizes are the
-    hints Inductor tunes kernels for (block sizes of fused kernels, GEMM choices): by default the
-    largest batch, the one that decides throughput. Batch >= 2 keeps export from specialising it to 1."""
-    b, s = params.max_batch, params.max_seq_len
-    raw = os.environ.get(ENV_TUNE_SHAPE, "").strip()
-    if raw:
-        parts = raw.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise UsageError(f"{ENV_TUNE_SHAPE}={raw!r}: expected BATCHxSEQ, e.g. 64x512")
-        b, s = int(parts[0]), int(parts[1])
-        low_b = 2 if params.max_batch > 1 else 1
-        if not (low_b <= b <= params.max_batch and 2 <= s <= params.max_seq_len):
-            raise UsageError(f"{ENV_TUNE_SHAPE}={raw!r}: batch must be {low_b}..{params.max_batch} and "
-                             f"sequence 2..{params.max_seq_len} (the engine's max_batch and max_seq_len)")
-    return b, s
-
-
-def _example(params: EngineParams, device: str, pad_left: bool):
-    return example_inputs(*tune_shape(params), device, pad_left)
-
-
-def example_inputs(b: int, s: int, device: str, pad_left: bool):
-    """ids and mask of shape (b, s); row 1 half padded (left or right) so padding paths are traced."""
-    ids = torch.ones(b, s, dtype=torch.long, device=device)
-    mask = torch.ones(b, s, dtype=torch.long, device=device)
-    if b > 1:
-        if pad_left:
-            mask[1, : s // 2] = 0
-        else:
-            mask[1, s // 2:] = 0
-    return ids, mask
-
-
-def _export(module, example, params: EngineParams, strip_asserts: bool = True):
-    """torch.export with dynamic batch and sequence dims: (ExportedProgram, how the dims were given)."""
-    exported, dims = _export_dynamic(module, example, params)
-    if strip_asserts:
-        strip_dtype_asserts(exported)
-    return exported, dims
-
-
-def strip_dtype_asserts(exported) -> None:
-    """Drop the aten._assert_tensor_metadata nodes export puts before each .to(dtype). Inductor
-    lowers them to nothing, but as extra users of a tensor they can stop it fusing an RMSNorm's
-    reduction with its normalisation: with torch 2.13 on the CPU they split each attention block's
-    per-head q/k norms into two kernels (tests/unit/test_runtime_qwen3.py). With torch 2.11 on the
-    H200 they made no difference; there the norms split because of the rotary table's layout (rotary.py)."""
-    graph = exported.graph_module.graph
-    nodes = [n for n in graph.nodes if n.op == "call_function"
-             and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
-    for node in nodes:
-        graph.erase_node(node)
-    exported.graph_module.recompile()
-
-
-def _export_dynamic(module, example, params: EngineParams):
-    from torch.export import Dim
-
-    dyn_batch = params.max_batch > 1
-    batch = Dim("batch", min=1, max=params.max_batch) if dyn_batch else None
-    seq = Dim("seq", min=2, max=params.max_seq_len)
-    explicit = {"input_ids": {0: batch, 1: seq} if dyn_batch else {1: seq},
-                "attention_mask": {0: batch, 1: seq} if dyn_batch else {1: seq}}
-    try:
-        return torch.export.export(module, example, dynamic_shapes=explicit, strict=False), "explicit"
-    except Exception as exc:  # constraint violations differ by torch version (seen on 2.11+cu130)
-        log.warning("export with explicit Dim ranges failed (%s); retrying with Dim.AUTO",
-                    str(exc).splitlines()[0][:200])
-        auto = {k: {0: Dim.AUTO, 1: Dim.AUTO} for k in ("input_ids", "attention_mask")}
-        return torch.export.export(module, example, dynamic_shapes=auto, strict=False), "auto"
-
-
-ENV_INDUCTOR_OPTIONS = "MOPT_INDUCTOR_OPTIONS"  # JSON object of extra Inductor config, e.g. {"triton.max_tiles": 1}
-
-
-def inductor_options(mode: str) -> dict:
-    """Inductor config patches of a compile mode, without CUDA graphs (engines are plain callables),
-    plus MOPT_INDUCTOR_OPTIONS (checked against this torch's Inductor config names)."""
-    patches = dict(torch._inductor.list_mode_options(mode)) if mode != "default" else {}
-    patches.pop("triton.cudagraphs", None)
-    raw = os.environ.get(ENV_INDUCTOR_OPTIONS, "").strip()
-    if raw:
-        try:
-            extra = json.loads(raw)
-        except ValueError as exc:
-            raise UsageError(f"{ENV_INDUCTOR_OPTIONS}: not JSON ({exc})") from None
-        if not isinstance(extra, dict):
-            raise UsageError(f"{ENV_INDUCTOR_OPTIONS}: expected a JSON object of Inductor config names and values")
-        known = torch._inductor.config.get_config_copy()
-        unknown = sorted(k for k in extra if k not in known)
-        if unknown:
-            raise UsageError(f"{ENV_INDUCTOR_OPTIONS}: not Inductor config names in torch {torch.__version__}: "
-                             f"{', '.join(unknown)}")
-        patches.update(extra)
-    return patches
-
-
 def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     dtype = DTYPES[params.precision]
     module = build_module(model_dir, params, dtype, params.device)
-    example = _example(params, params.device, pad_left=params.pad_left)
+    example = tuned_example(params, params.device, pad_left=params.pad_left)
     # On CUDA, SDPA's kernel choice is baked in here (no cuDNN by default: see sdpa.py).
     kernels = sdpa_kernels() if params.device == "cuda" else nullcontext()
     options = inductor_options(params.compile_mode)
     with torch.inference_mode(False), torch.no_grad(), kernels:
-        exported, dims = _export(module, example, params)
+        exported, dims = export_graph(module, example, params)
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT),
                                                         inductor_configs=dict(options))  # it adds keys
     check_loads_fresh(Path(path), params)
@@ -180,9 +57,10 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
 _LOAD_CHECK = """
 import importlib, json, sys
 torch_aot = importlib.import_module(sys.argv[3])
+common = importlib.import_module(sys.argv[3].rpartition(".")[0] + ".torch_common")
 params = torch_aot.EngineParams.from_dict(json.loads(sys.argv[2]))
 run = torch_aot.load(sys.argv[1], params)
-out = run(*torch_aot.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
+out = run(*common.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
 print("LOADED", tuple(out.shape))
 """
 
@@ -251,14 +129,12 @@ def load(engine_dir: str | Path, params: EngineParams):
 
 
 def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
-    """fp32 eager embeddings, one text at a time (no padding), the ground truth for accuracy."""
-    enc = TextEncoder(model_dir, params.pooling, params.instruction)
-    # The model's own attention (no padding here): the reference does not depend on the engine's choice.
-    # The model as transformers runs it: the reference checks the engine's graph changes too (rotary.py).
-    module = build_module(model_dir, replace(params, attention="mask"), torch.float32, "cpu", model_rotary=True)
-    out = []
-    with torch.no_grad():
-        for ids in enc.encode(texts):
-            t = torch.tensor([ids], dtype=torch.long)
-            out.append(module(t, torch.ones_like(t))[0].tolist())
-    return out
+    return eager_reference(model_dir, texts, params)
+
+
+def prepare(device: str) -> None:
+    """Nothing to warm: the package loader needs torch alone."""
+
+
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+    raise UsageError("torch-aot engines are served by mopt's own server, not exec_serve")

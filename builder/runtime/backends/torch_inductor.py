@@ -44,17 +44,25 @@ import torch
 import torch._inductor
 
 from ..causal_attention import attn_implementation
+from ..errors import UsageError
 from ..params import EngineParams
 from ..pooling import EmbeddingModule
 from ..sdpa import sdpa_backends, sdpa_kernels, sdpa_summary
-from . import torch_aot
+from .torch_common import (
+    DTYPES,
+    build_module,
+    eager_reference,
+    example_inputs,
+    export_graph,
+    inductor_options,
+    tune_shape,
+    wrap_body,
+)
 
 ARTIFACT = "compile_cache.json"
 CACHE_SUBDIR = "inductor-cache"
 WEIGHTS_SUBDIR = "weights"
 SHARD_BYTES = 256 << 20  # weights and graph tensors are saved in shards the guard hashes in parallel
-VERSION_IS_TORCH = True
-DTYPES = torch_aot.DTYPES
 ENV_RUNTIME_CACHE = "MOPT_COMPILE_CACHE_DIR"  # where the loader puts its writable copy
 ENV_WARM_AT_LOAD = "MOPT_COMPILE_CACHE_WARM"  # 1: replay the warm-up shapes inside load()
 ENV_ARTIFACT = "MOPT_INDUCTOR_ARTIFACT"  # 0: neither write nor load the artifact (the cache form)
@@ -62,7 +70,6 @@ INDUCTOR_ARTIFACT = "inductor-artifact.bin"
 GRAPH_FILE = "graph.json"
 GRAPH_TENSORS = "graph-tensors-{:05d}.safetensors"  # parameters, buffers and constants, by graph name
 LAST_LOAD_PATH = None  # "artifact", "cache" or "jit": which path the last load() took (benchmarks read it)
-reference = torch_aot.reference
 log = logging.getLogger(__name__)
 
 
@@ -109,7 +116,7 @@ def _call_dynamic(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 
 def _inductor_options(mode: str) -> dict:
-    return {"config_patches": torch_aot.inductor_options(mode)}
+    return {"config_patches": inductor_options(mode)}
 
 
 def _graph_inputs(exported) -> list[dict]:
@@ -195,12 +202,12 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
 
     if params.max_batch < 2:
         raise RuntimeError("max_batch 1: the artifact's graph needs a dynamic batch dim (the loader pads 1 row to 2)")
-    # The example's sizes are the hints Inductor tunes for (torch_aot.tune_shape). Both dims stay
+    # The example's sizes are the hints Inductor tunes for (torch_common.tune_shape). Both dims stay
     # dynamic (1..max_batch, 2..max_seq_len) in the graph.
-    example = torch_aot.example_inputs(*torch_aot.tune_shape(params), params.device, params.pad_left)
+    example = example_inputs(*tune_shape(params), params.device, params.pad_left)
     t0 = time.monotonic()
     with torch.no_grad(), sdpa_kernels():
-        exported, dims = torch_aot._export(module, example, params)
+        exported, dims = export_graph(module, example, params)
     t_export = time.monotonic() - t0
     specs = _graph_inputs(exported)
     tensors = _graph_tensors(exported, module, specs)
@@ -235,7 +242,7 @@ def _warm(fn, params: EngineParams) -> list[dict]:
     with torch.no_grad():
         for b, s in warmup_shapes(params):
             t = time.monotonic()
-            _call(fn, *torch_aot.example_inputs(b, s, params.device, params.pad_left))
+            _call(fn, *example_inputs(b, s, params.device, params.pad_left))
             if params.device == "cuda":
                 torch.cuda.synchronize()
             done.append({"batch": b, "seq": s, "seconds": round(time.monotonic() - t, 3)})
@@ -246,7 +253,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
     sdpa_backends()  # a bad MOPT_SDPA_BACKENDS is the user's error (exit 2), not a reason to fall back
     dtype = DTYPES[params.precision]
-    module = torch_aot.build_module(model_dir, params, dtype, params.device)
+    module = build_module(model_dir, params, dtype, params.device)
     cache = out_dir / CACHE_SUBDIR
     _point_caches(cache)  # Inductor compiles through its caches; only the cache form ships them
     torch._dynamo.reset()
@@ -317,7 +324,7 @@ def runtime_cache_dir(engine_dir: Path) -> Path:
 def _module(engine_dir: Path, params: EngineParams, tensors: dict[str, torch.Tensor] | None = None):
     """The nn.Module, for the torch.compile paths: from weights/, or from the config + graph tensors."""
     if tensors is None:
-        return torch_aot.build_module(str(engine_dir / WEIGHTS_SUBDIR), params, DTYPES[params.precision],
+        return build_module(str(engine_dir / WEIGHTS_SUBDIR), params, DTYPES[params.precision],
                                       params.device).eval()
     from transformers import AutoConfig, AutoModel
 
@@ -327,7 +334,7 @@ def _module(engine_dir: Path, params: EngineParams, tensors: dict[str, torch.Ten
                                      attn_implementation=attn_implementation(params.attention))
     state = {k.removeprefix("body."): v for k, v in tensors.items() if k.startswith("body.")}
     body.load_state_dict(state, strict=False)  # non-persistent buffers are rebuilt by the constructor
-    return torch_aot.wrap_body(body, params).eval()
+    return wrap_body(body, params).eval()
 
 
 def load(engine_dir: str | Path, params: EngineParams):
@@ -365,3 +372,11 @@ def load(engine_dir: str | Path, params: EngineParams):
         return out.float().cpu()
 
     return run
+
+
+def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
+    return eager_reference(model_dir, texts, params)
+
+
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+    raise UsageError("torch-inductor engines are served by mopt's own server, not exec_serve")

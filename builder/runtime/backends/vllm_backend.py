@@ -302,10 +302,14 @@ def load(engine_dir: str | Path, params: EngineParams):
 
 
 def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
-    """fp32 eager transformers, like every backend (the same function as torch-aot's)."""
-    from .torch_aot import reference as eager_reference
+    """fp32 eager transformers, like every backend."""
+    from .torch_common import eager_reference
 
     return eager_reference(model_dir, texts, params)
+
+
+def prepare(device: str) -> None:
+    """Nothing to warm: vLLM's server loads the model and its compile cache."""
 
 
 def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:

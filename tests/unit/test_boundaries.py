@@ -1,0 +1,89 @@
+"""Import boundaries, checked on the source (AST): the host package never imports the in-image runtime
+(it only copies it into images, builder/build.py, and digests it, builder/render.py), the runtime never
+imports the host (it ships alone as /opt/mopt/mopt_runtime), the host never imports torch or TensorRT,
+and engine backends share code through backends/torch_common.py, never through each other's private
+names or the guard."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent.parent
+BUILDER = REPO / "builder"
+RUNTIME = BUILDER / "runtime"
+BACKENDS = RUNTIME / "backends"
+HEAVY = ("torch", "tensorrt", "tensorrt_llm", "vllm", "transformers")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[str, tuple[str, ...], int]]:
+    """(absolute module, names imported from it, line) for every import in the file, relative ones resolved."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, (), node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names = tuple(alias.name for alias in node.names)
+            out.append((module, names, node.lineno))
+            out += [(f"{module}.{name}", (), node.lineno) for name in names]  # `from . import x` imports a module
+    return out
+
+
+def _py(root: Path, exclude: Path | None = None) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if exclude is None or exclude not in p.parents)
+
+
+def _violations(files: list[Path], bad) -> list[str]:
+    return [f"{path.relative_to(REPO)}:{line}: {module}"
+            for path in files for module, names, line in imports(path) if bad(module, names)]
+
+
+def test_imports_are_resolved_the_way_python_does():
+    # The checker itself: a relative import in a backend resolves into builder.runtime.
+    found = {m for m, _, _ in imports(BACKENDS / "torch_aot.py")}
+    assert "builder.runtime.params" in found
+
+
+def test_host_never_imports_the_runtime_or_heavy_libraries():
+    bad = _violations(_py(BUILDER, exclude=RUNTIME), lambda m, _: m == "builder.runtime" or m.startswith(
+        "builder.runtime.") or m.split(".")[0] in HEAVY)
+    assert not bad, "the host imports the in-image runtime or torch/TensorRT:\n" + "\n".join(bad)
+
+
+def test_runtime_never_imports_the_host():
+    def host(module: str, _names) -> bool:
+        return module.split(".")[0] == "builder" and not module.startswith("builder.runtime")
+
+    bad = _violations(_py(RUNTIME), host)
+    assert not bad, "the runtime imports the host package (it ships without it):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in BACKENDS.glob("*.py") if p.name != "__init__.py"),
+                         ids=lambda p: p.name)
+def test_backends_do_not_reach_into_each_other_or_the_guard(path):
+    own = _module_name(path)
+    siblings = {_module_name(p) for p in BACKENDS.glob("*.py")} - {own, "builder.runtime.backends"}
+    shared = "builder.runtime.backends.torch_common"
+
+    def bad(module: str, names: tuple[str, ...]) -> bool:
+        if module == "builder.runtime.guard":
+            return True
+        if module in siblings and module != shared:
+            return True  # another backend's module: share code through torch_common instead
+        return module == shared and any(n.startswith("_") for n in names)
+
+    found = _violations([path], bad)
+    assert not found, "a backend imports another backend, a private name or the guard:\n" + "\n".join(found)
