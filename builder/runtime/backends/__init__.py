@@ -11,7 +11,7 @@ import importlib
 from ..errors import UsageError
 
 # torch-aot (.pt2, C++) is the CUDA engine of the aot flavours; torch-inductor (Python wrapper + Triton
-# kernels) is the alternative form, with a slower start (README, GPU performance).
+# kernels) is the alternative form, with a slower start (docs/performance.md).
 BACKENDS = {"torch-aot": "torch_aot", "torch-inductor": "torch_inductor", "tensorrt": "tensorrt",
             "tensorrt-llm": "tensorrt_llm", "vllm": "vllm_backend"}
 # These serve through their own OpenAI server (exec_serve) after the guard, not through ours.
