@@ -4,7 +4,7 @@ the final image and its smoke test (health, dimension, cosine vs reference, guar
 
 The CUDA `aot` flavour ships this backend; no GPU with Docker exists here, so the same template
 and compile step are built for a cpu variant added to a copy of the matrix (the shipped matrix
-has no such variant). The H200 run of the same backend is in the README.
+has no such variant). The H200 run of the same backend is in docs/performance.md.
 """
 from __future__ import annotations
 

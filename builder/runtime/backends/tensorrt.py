@@ -6,7 +6,7 @@ engine/timing.cache    the builder's timing cache (persisted; reused from $MOPT_
 engine/trt-build.json  the profile, builder flags, TensorRT version and compute capability
 
 tensorrt is imported lazily, inside functions: the guard, the build side and the unit tests import
-this module on hosts without TensorRT (it cannot be installed on the build machines; see README).
+this module on hosts without TensorRT (it cannot be installed on the build machines; see docs/backends.md).
 """
 from __future__ import annotations
 
