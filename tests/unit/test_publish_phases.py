@@ -314,6 +314,22 @@ def test_a_long_tag_taken_by_a_racing_publisher_is_refused_in_phase_1(world, tmp
     assert world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123") == box["digest"]
 
 
+def test_a_local_tag_that_cannot_be_removed_is_a_warning(world, tmp_path, monkeypatch):
+    a = world.item("minilm-embed")
+    fake = world.docker
+
+    def docker(args, **kw):
+        if args[0] == "rmi" and args[-1] == _long("minilm-embed"):
+            return subprocess.CompletedProcess(args, 1, "", "Error response from daemon: conflict: image is in use\n")
+        return fake(args, **kw)
+
+    monkeypatch.setattr(pub, "run_docker", docker)
+    [result] = world.publish([a], tmp_path)
+    assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
+    assert world.log[-1] == (f"  warning: could not remove local tag {_long('minilm-embed')}: Error response from "
+                             "daemon: conflict: image is in use")
+
+
 def test_a_rerun_skips_verified_long_tags_and_short_tags_already_there(world, tmp_path):
     a, b = world.item("minilm-embed"), world.item("qwen3-embed")
     first = world.publish([a, b], tmp_path)
@@ -333,23 +349,29 @@ def test_a_rerun_skips_verified_long_tags_and_short_tags_already_there(world, tm
         in world.log
 
 
+def _this_image_at_long_tag(world: World, item: PublishItem, known_by: str) -> str:
+    """Put item's image at its long tag, recognisable by the way given; return the tag's digest."""
+    repo = item.repository.replace("mopt/", "team/")
+    body = world.docker.body(item.image_id)
+    if known_by == "repo digest":
+        # Another client pushed it (another compression: its own config digest); docker recorded the digest.
+        digest = world.registry.put(repo, item.long_tag, world.docker.body(
+            world.docker.add_image(f"re-compressed {repo}")))
+        world.docker.images[item.image_id]["RepoDigests"] = [f"elsewhere.io/{repo}@{_sha('x')}",
+                                                             f"{HOST}/{repo}@{digest}"]
+        return digest
+    if known_by == "config digest":
+        return world.registry.put(repo, item.long_tag, body)
+    child = world.registry.store(repo, body)
+    other = world.registry.store(repo, world.docker.body(world.docker.add_image(f"arm64 {repo}")))
+    return world.registry.put(repo, item.long_tag, {
+        "schemaVersion": 2, "mediaType": INDEX, "manifests": [{"digest": other}, {"digest": child}]})
+
+
 @pytest.mark.parametrize("known_by", ["repo digest", "config digest", "index"])
 def test_a_long_tag_already_holding_this_image_is_not_pushed(world, tmp_path, known_by):
     a = world.item("minilm-embed")
-    body = world.docker.body(a.image_id)
-    if known_by == "repo digest":
-        # Another client pushed it (another compression: its own config digest); docker recorded the digest.
-        digest = world.registry.put("team/minilm-embed", "1.0.0-cpu-abc123", world.docker.body(
-            world.docker.add_image("re-compressed")))
-        world.docker.images[a.image_id]["RepoDigests"] = [f"elsewhere.io/team/minilm-embed@{_sha('x')}",
-                                                          f"{HOST}/team/minilm-embed@{digest}"]
-    elif known_by == "config digest":
-        digest = world.registry.put("team/minilm-embed", "1.0.0-cpu-abc123", body)
-    else:
-        child = world.registry.store("team/minilm-embed", body)
-        other = world.registry.store("team/minilm-embed", world.docker.body(world.docker.add_image("arm64")))
-        digest = world.registry.put("team/minilm-embed", "1.0.0-cpu-abc123", {
-            "schemaVersion": 2, "mediaType": INDEX, "manifests": [{"digest": other}, {"digest": child}]})
+    digest = _this_image_at_long_tag(world, a, known_by)
     if known_by != "config digest":
         # docker would push its own manifest, not this one: the short tag must already be there too.
         world.registry.tags[("team/minilm-embed", "1.0-cpu")] = digest
@@ -549,32 +571,40 @@ def test_fail_prefixes_the_variant_and_notes_what_moved(published, long_verified
 
 # --------------------------------------------------------------------------- the dry run
 def test_dry_run_changes_nothing_and_logs_what_would_move(world, tmp_path):
-    a, b, c = world.item("minilm-embed"), world.item("qwen3-embed"), world.item("qwen3-chat")
-    # a: new; b: this image is there (long and short); c: this image is there, its short tag elsewhere.
-    db = world.registry.put("team/qwen3-embed", "1.0.0-cpu-abc123", world.docker.body(b.image_id))
+    a = world.item("minilm-embed")
+    a = PublishItem(a.variant_id, "mopt/minilm-embed:cpu", a.repository, a.long_tag, a.short_tag)  # by name
+    ida = world.docker.resolve(a.image_id)
+    b, c, e = world.item("qwen3-embed"), world.item("qwen3-chat"), world.item("qwen3-rerank")
+    # a: new; b, c, e: this image is there (told by its repo digest, an index, the config digest);
+    # b's short tag is there too, c's points elsewhere, e has none.
+    db = _this_image_at_long_tag(world, b, "repo digest")
     world.registry.tags[("team/qwen3-embed", "1.0-cpu")] = db
-    dc = world.registry.put("team/qwen3-chat", "1.0.0-cpu-abc123", world.docker.body(c.image_id))
+    dc = _this_image_at_long_tag(world, c, "index")
     old = _other_image(world, "team/qwen3-chat", "1.0-cpu")
+    de = _this_image_at_long_tag(world, e, "config digest")
     tags_before, refs_before = dict(world.registry.tags), dict(world.docker.refs)
 
-    results = world.publish([a, b, c], tmp_path, dry_run=True)
+    results = world.publish([a, b, c, e], tmp_path, dry_run=True)
 
     assert results == [
         PublishResult("minilm-embed:cpu", (_long("minilm-embed"), _short("minilm-embed")), "", False),
         PublishResult("qwen3-embed:cpu", (), db, True),
         PublishResult("qwen3-chat:cpu", (_short("qwen3-chat"),), dc, True),
+        PublishResult("qwen3-rerank:cpu", (_short("qwen3-rerank"),), de, True),
     ]
     assert world.moves() == [] and [e for e in world.events if e[0] == "rmi"] == []
     assert world.registry.tags == tags_before and world.docker.refs == refs_before
     assert world.log == [
         "[dry-run] phase 1: immutable long tags (pushed and verified first)",
-        f"[dry-run] {_long('minilm-embed')} -> {a.image_id} (registry: no such tag) : would push",
+        f"[dry-run] {_long('minilm-embed')} -> {ida} (registry: no such tag) : would push",
         f"[dry-run] {_long('qwen3-embed')} -> {b.image_id} (registry: {db}, same image) : would skip",
         f"[dry-run] {_long('qwen3-chat')} -> {c.image_id} (registry: {dc}, same image) : would skip",
+        f"[dry-run] {_long('qwen3-rerank')} -> {e.image_id} (registry: {de}, same image) : would skip",
         "[dry-run] phase 2: moving short tags (only after every long tag above is verified)",
-        f"[dry-run] {_short('minilm-embed')} -> {a.image_id} (registry: no such tag) : would push",
+        f"[dry-run] {_short('minilm-embed')} -> {ida} (registry: no such tag) : would push",
         f"[dry-run] {_short('qwen3-embed')} -> {b.image_id} (registry: {db}) : already there",
         f"[dry-run] {_short('qwen3-chat')} -> {c.image_id} (registry: {old}) : would push",
+        f"[dry-run] {_short('qwen3-rerank')} -> {e.image_id} (registry: no such tag) : would push",
     ]
     assert world.registry.closed
 
@@ -588,28 +618,29 @@ def test_dry_run_raises_when_the_real_run_would_be_refused(world, tmp_path):
     world.registry.failing.add(("team/qwen3-rerank", "1.0-cpu"))
     tags_before = dict(world.registry.tags)
 
+    # Each problem item is followed by another: the plan goes on checking after a problem.
     with pytest.raises(PublishError) as caught:
-        world.publish([a, b, c, d], tmp_path, dry_run=True)
+        world.publish([a, c, d, b], tmp_path, dry_run=True)
 
     unreachable = f"registry {HOST} kept failing: HTTP 503 (after 5 attempts)"
     assert caught.value.message == (
         "dry run: the publish would fail:\n"
+        f"  qwen3-chat:cpu: local image {gone} not found (was it removed after its smoke test?)\n"
         f"  qwen3-embed:cpu: {_long('qwen3-embed')} already points at {taken}, a different image than "
         f"{b.image_id}; long tags are immutable\n"
-        f"  qwen3-chat:cpu: local image {gone} not found (was it removed after its smoke test?)\n"
-        f"  qwen3-rerank:cpu: {unreachable}")
+        f"  qwen3-rerank:cpu: {unreachable}")  # phase 1's problems first, then phase 2's
     assert caught.value.published == [] and caught.value.exit_code == 6
     assert world.moves() == [] and world.registry.tags == tags_before
     assert world.log == [
         "[dry-run] phase 1: immutable long tags (pushed and verified first)",
         f"[dry-run] {_long('minilm-embed')} -> {a.image_id} (registry: no such tag) : would push",
-        f"[dry-run] {_long('qwen3-embed')} -> {b.image_id} (registry: {taken}, DIFFERENT image) : would REFUSE",
         f"  qwen3-chat:cpu: cannot check: local image {gone} not found (was it removed after its smoke test?)",
         f"[dry-run] {_long('qwen3-rerank')} -> {d.image_id} (registry: no such tag) : would push",
+        f"[dry-run] {_long('qwen3-embed')} -> {b.image_id} (registry: {taken}, DIFFERENT image) : would REFUSE",
         "[dry-run] phase 2: moving short tags (only after every long tag above is verified)",
         f"[dry-run] {_short('minilm-embed')} -> {a.image_id} (registry: no such tag) : would not move",
-        f"[dry-run] {_short('qwen3-embed')} -> {b.image_id} (registry: no such tag) : would not move",
         f"[dry-run] {_short('qwen3-chat')} -> {gone} (registry: no such tag) : would not move",
         f"  qwen3-rerank:cpu: cannot check: {unreachable}",
+        f"[dry-run] {_short('qwen3-embed')} -> {b.image_id} (registry: no such tag) : would not move",
     ]
 
