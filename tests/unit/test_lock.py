@@ -1,0 +1,148 @@
+"""builder.lock's pure parts: the lock key (staleness), reading, merging and the requirements file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from builder.errors import ConfigError
+from builder.lock import lock_entry, lock_key, read_lock, requirements_text, write_lock
+from builder.plan import Variant
+
+VARIANT = Variant(id="minilm-embed:cpu", image="minilm-embed", flavour="embed", backend="torch-inductor",
+                  device="cpu", repository="mopt/minilm-embed", tag="cpu", long_tag="1.0.0-cpu", axes={},
+                  resolved={})
+RENDERED = {"Dockerfile.base": "FROM debian:bookworm-slim\n", "Dockerfile.runtime": "FROM base\nRUN pip install x\n",
+            "Dockerfile.compile": "FROM runtime\n", "Dockerfile": "FROM compiled\n", "compile.sh": "#!/bin/sh\n",
+            "requirements.txt": "x==1\n"}
+ENTRY = {"variants": ["minilm-embed:cpu"], "base": {"name": "debian", "kind": "image", "ref": "debian:bookworm-slim"},
+         "python": ["numpy==2.1.0 --hash=sha256:" + "a" * 64, "torch==2.13.0 --hash=sha256:" + "b" * 64],
+         "debian": ["libc6=2.36-9", "python3=3.11.2-1"]}
+
+
+def _render(directory: Path, **changes: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in {**RENDERED, **changes}.items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def _lock(path: Path, render_dir: Path, entry: dict = ENTRY) -> dict:
+    write_lock(path, {lock_key(render_dir): entry}, None)
+    return read_lock(path)
+
+
+# --------------------------------------------------------------------------- the lock key
+@pytest.mark.parametrize("name", ["Dockerfile.base", "Dockerfile.runtime"])
+def test_a_changed_base_or_runtime_dockerfile_changes_the_key(tmp_path, name):
+    key = lock_key(_render(tmp_path / "a"))
+    changed = lock_key(_render(tmp_path / "b", **{name: RENDERED[name] + "RUN true\n"}))
+    assert changed != key and len(changed) == len(key) == 64
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.compile", "Dockerfile", "compile.sh", "requirements.txt"])
+def test_other_rendered_files_do_not_change_the_key(tmp_path, name):
+    assert lock_key(_render(tmp_path / "b", **{name: "changed\n"})) == lock_key(_render(tmp_path / "a"))
+
+
+def test_the_key_tells_which_file_holds_what(tmp_path):
+    # Moving a line from one Dockerfile to the other is another runtime.
+    one = _render(tmp_path / "a", **{"Dockerfile.base": "A\n", "Dockerfile.runtime": "B\n"})
+    other = _render(tmp_path / "b", **{"Dockerfile.base": "B\n", "Dockerfile.runtime": "A\n"})
+    joined = _render(tmp_path / "c", **{"Dockerfile.base": "A\nB\n", "Dockerfile.runtime": ""})
+    assert len({lock_key(one), lock_key(other), lock_key(joined)}) == 3
+
+
+# --------------------------------------------------------------------------- lock_entry: the staleness check
+def test_lock_entry_returns_the_runtime_of_an_unchanged_render(tmp_path):
+    render_dir = _render(tmp_path / "render")
+    lock = _lock(tmp_path / "mopt.lock.json", render_dir)
+    _render(render_dir, **{"Dockerfile.compile": "FROM runtime\nRUN compile\n"})  # not part of the runtime
+    assert lock_entry(lock, tmp_path / "mopt.lock.json", VARIANT, render_dir) == ENTRY
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.base", "Dockerfile.runtime"])
+def test_lock_entry_refuses_a_changed_dockerfile(tmp_path, name):
+    render_dir = _render(tmp_path / "render")
+    path = tmp_path / "mopt.lock.json"
+    lock = _lock(path, render_dir)
+    _render(render_dir, **{name: RENDERED[name] + "RUN apt-get install -y curl\n"})
+    key = lock_key(render_dir)
+    with pytest.raises(ConfigError) as caught:
+        lock_entry(lock, path, VARIANT, render_dir)
+    assert caught.value.exit_code == 2
+    assert str(caught.value) == (
+        f"{path} is stale for minilm-embed:cpu: its base or runtime Dockerfile changed since mopt lock (lock key "
+        f"{key[:12]} not in the lock); run mopt lock --select 'minilm-embed:cpu'")
+
+
+# --------------------------------------------------------------------------- read_lock
+def test_read_lock_missing_file(tmp_path):
+    path = tmp_path / "mopt.lock.json"
+    with pytest.raises(ConfigError) as caught:
+        read_lock(path)
+    assert str(caught.value) == f"{path}: no lock file (run mopt lock first)"
+
+
+def test_read_lock_bad_json(tmp_path):
+    path = tmp_path / "mopt.lock.json"
+    path.write_text('{"schema": 1,\n "runtimes": {')
+    with pytest.raises(ConfigError) as caught:
+        read_lock(path)
+    assert str(caught.value) == f"{path}: not valid JSON: Expecting property name enclosed in double quotes: " \
+        "line 2 column 15 (char 28)"
+
+
+@pytest.mark.parametrize("data", [
+    {"schema": 2, "runtimes": {}},
+    {"schema": "1", "runtimes": {}},
+    {"runtimes": {}},
+    {"schema": 1},
+    {"schema": 1, "runtimes": []},
+    {"schema": 1, "runtimes": None},
+])
+def test_read_lock_wrong_schema(tmp_path, data):
+    path = tmp_path / "mopt.lock.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as caught:
+        read_lock(path)
+    assert str(caught.value) == f"{path}: not a mopt lock (schema 1)"
+
+
+def test_read_lock_returns_the_file(tmp_path):
+    path = tmp_path / "mopt.lock.json"
+    data = {"schema": 1, "runtimes": {"k" * 64: ENTRY}}
+    path.write_text(json.dumps(data))
+    assert read_lock(path) == data
+
+
+# --------------------------------------------------------------------------- write_lock
+def test_write_lock_merges_with_the_previous_runtimes(tmp_path):
+    path = tmp_path / "mopt.lock.json"
+    kept, replaced, new = "1" * 64, "2" * 64, "3" * 64
+    previous = {"schema": 1, "runtimes": {kept: {"python": ["a==1"]}, replaced: {"python": ["b==1"]}}}
+    snapshot = json.loads(json.dumps(previous))
+    write_lock(path, {replaced: {"python": ["b==2"]}, new: {"python": ["c==1"]}}, previous)
+    assert read_lock(path) == {"schema": 1, "runtimes": {kept: {"python": ["a==1"]}, replaced: {"python": ["b==2"]},
+                                                         new: {"python": ["c==1"]}}}
+    assert previous == snapshot  # the caller's lock is not changed in place
+    # Stable bytes: sorted keys, two-space indent, one trailing newline (a reviewable diff).
+    assert path.read_text() == json.dumps(read_lock(path), indent=2, sort_keys=True) + "\n"
+
+
+@pytest.mark.parametrize("previous", [None, {}, {"schema": 1, "runtimes": {}}])
+def test_write_lock_without_previous_runtimes(tmp_path, previous):
+    path = tmp_path / "mopt.lock.json"
+    write_lock(path, {"4" * 64: ENTRY}, previous)
+    assert read_lock(path) == {"schema": 1, "runtimes": {"4" * 64: ENTRY}}
+
+
+# --------------------------------------------------------------------------- requirements_text
+@pytest.mark.parametrize("python, text", [
+    (ENTRY["python"], f"numpy==2.1.0 --hash=sha256:{'a' * 64}\ntorch==2.13.0 --hash=sha256:{'b' * 64}\n"),
+    (["x==1"], "x==1\n"),
+    ([], ""),
+])
+def test_requirements_text_is_one_pinned_line_each(python, text):
+    assert requirements_text({"python": python, "debian": []}) == text

@@ -1,0 +1,646 @@
+"""builder.publish's release phases against a fake docker CLI and an in-memory registry (no Docker, no HTTP).
+
+The order is the contract: every long (immutable) tag is checked (phase 0), pushed and verified
+(phase 1) before any short (moving) tag moves (phase 2); a failure before phase 2 moves no short tag.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import subprocess
+
+import pytest
+
+from builder import publish as pub
+from builder.dockerclient import DockerCli
+from builder.errors import PublishError
+from builder.publish import Credentials, Manifest, PublishItem, PublishResult, Registry
+
+HOST = "127.0.0.1:5000"
+REGISTRY = Registry.parse(f"{HOST}/team")  # the namespace replaces the planned "mopt"
+CLI = DockerCli("/fake/docker", "27.0.0", "buildx", "27.0.0")
+MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+INDEX = "application/vnd.oci.image.index.v1+json"
+REFUSAL_TAIL = ("long tags are immutable and will not be moved (bump the version, or delete the tag from the "
+                "registry deliberately)")
+
+
+def _sha(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+class FakeRegistry:
+    """What publish asks a registry: manifests by tag or digest, and verify (tag -> digest, blobs present)."""
+
+    def __init__(self, events: list):
+        self.events = events
+        self.manifests: dict[tuple[str, str], Manifest] = {}
+        self.tags: dict[tuple[str, str], str] = {}
+        self.blobs: set[tuple[str, str]] = set()
+        self.failing: set[tuple[str, str]] = set()  # (repo, reference) whose GET keeps failing
+        self.after_verify: dict[tuple[str, str], object] = {}  # (repo, tag) -> hook (another publisher)
+        self.closed = False
+
+    def store(self, repo: str, body: dict, *, blobs: bool = True) -> str:
+        digest = _sha(json.dumps(body, sort_keys=True))
+        self.manifests[(repo, digest)] = Manifest(digest, body["mediaType"], body)
+        if blobs:
+            self.blobs |= {(repo, d["digest"]) for d in [body.get("config"), *body.get("layers", [])] if d}
+        return digest
+
+    def put(self, repo: str, tag: str, body: dict, *, blobs: bool = True) -> str:
+        digest = self.store(repo, body, blobs=blobs)
+        self.tags[(repo, tag)] = digest
+        return digest
+
+    def digest(self, repo: str, tag: str) -> str | None:
+        return self.tags.get((repo, tag))
+
+    def manifest(self, repo: str, reference: str) -> Manifest | None:
+        self.events.append(("manifest", f"{repo}:{reference}"))
+        if (repo, reference) in self.failing:
+            raise PublishError(f"registry {HOST} kept failing: HTTP 503 (after 5 attempts)")
+        digest = reference if reference.startswith("sha256:") else self.tags.get((repo, reference))
+        return self.manifests.get((repo, digest)) if digest else None
+
+    def verify(self, repo: str, tag: str, expected: str) -> Manifest:
+        self.events.append(("verify", f"{repo}:{tag}", expected))
+        m = self.manifests.get((repo, self.tags.get((repo, tag), "")))
+        if m is None:
+            raise PublishError(f"{HOST}/{repo}:{tag} is missing from the registry right after the push")
+        if m.digest != expected:
+            raise PublishError(f"{HOST}/{repo}:{tag} points at {m.digest}, expected {expected}")
+        children = [self.manifests[(repo, c["digest"])] for c in m.body.get("manifests", [])]
+        for one in children or [m]:
+            for desc in [one.body["config"], *one.body["layers"]]:
+                if (repo, desc["digest"]) not in self.blobs:
+                    raise PublishError(f"{repo}: blob {desc['digest']} referenced by manifest {one.digest} is missing")
+        hook = self.after_verify.pop((repo, tag), None)
+        if hook:
+            hook()
+        return m
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeDocker:
+    """Stands in for builder.publish.run_docker: image inspect, tag, rmi and push (into FakeRegistry)."""
+
+    def __init__(self, registry: FakeRegistry, events: list):
+        self.registry, self.events = registry, events
+        self.images: dict[str, dict] = {}  # id -> {"Id", "RepoDigests", "layer"}
+        self.refs: dict[str, str] = {}  # local tag -> id
+        self.push_outputs: dict[str, list[str]] = {}  # ref -> outputs of failing attempts, in order
+        self.push_as: dict[str, str] = {}  # ref -> the image id the push really sends (a racing re-tag)
+        self.lossy: set[str] = set()  # image ids whose layer never reaches the registry
+        self.pushes: list[tuple[str, dict, list[str]]] = []  # (ref, env, redact)
+
+    def add_image(self, name: str) -> str:
+        image_id = _sha(f"config of {name}")
+        self.images[image_id] = {"Id": image_id, "RepoDigests": [], "layer": _sha(f"layer of {name}")}
+        self.refs[name] = image_id
+        return image_id
+
+    def body(self, image_id: str, **extra) -> dict:
+        return {"schemaVersion": 2, "mediaType": MANIFEST,
+                "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": image_id,
+                           "size": 100},
+                "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip",
+                            "digest": self.images[image_id]["layer"], "size": 200}], **extra}
+
+    def resolve(self, ref: str) -> str | None:
+        if ref in self.images or ref in self.refs:
+            return self.refs.get(ref, ref)
+        if ref.startswith("sha256:"):
+            found = [i for i in self.images if i.startswith(ref)]
+            return found[0] if len(found) == 1 else None
+        return None
+
+    def __call__(self, args, *, docker=None, log=None, check=True, env=None, timeout=None, redact=(),
+                 error_cls=None, **_):
+        assert docker is CLI
+        args = [str(a) for a in args]
+        if args[:2] == ["image", "inspect"]:
+            image_id = self.resolve(args[-1])
+            if image_id is None:
+                return subprocess.CompletedProcess(args, 1, "", f"Error: No such image: {args[-1]}\n")
+            img = self.images[image_id]
+            out = json.dumps({"Id": image_id, "RepoDigests": list(img["RepoDigests"])}) + "\n"
+            return subprocess.CompletedProcess(args, 0, out, "")
+        if args[0] == "tag":
+            assert args[1] in self.images, f"docker tag of an unknown image {args[1]}"
+            self.events.append(("tag", args[2]))
+            self.refs[args[2]] = args[1]
+            return subprocess.CompletedProcess(args, 0, "", "")
+        if args[0] == "rmi":
+            self.events.append(("rmi", args[-1]))
+            del self.refs[args[-1]]
+            return subprocess.CompletedProcess(args, 0, f"Untagged: {args[-1]}\n", "")
+        assert args[0] == "push", args
+        ref = args[1]
+        self.events.append(("push", ref))
+        self.pushes.append((ref, dict(env or {}), list(redact)))
+        name, tag = ref.rsplit(":", 1)
+        if self.push_outputs.get(ref):
+            out = self.push_outputs[ref].pop(0)
+            for line in out.splitlines():
+                log(line)
+            return subprocess.CompletedProcess(args, 1, out, "")
+        image_id = self.push_as.get(ref) or self.refs[ref]
+        repo = name.split("/", 1)[1]
+        digest = self.registry.put(repo, tag, self.body(image_id), blobs=image_id not in self.lossy)
+        self.images[image_id]["RepoDigests"].append(f"{name}@{digest}")
+        out = (f"The push refers to repository [{name}]\n{self.images[image_id]['layer'][7:19]}: Pushed\n"
+               f"{tag}: digest: {digest} size: 528\n")
+        for line in out.splitlines():
+            log(line)
+        return subprocess.CompletedProcess(args, 0, out, "")
+
+
+class World:
+    def __init__(self, monkeypatch):
+        self.events: list = []
+        self.registry = FakeRegistry(self.events)
+        self.docker = FakeDocker(self.registry, self.events)
+        self.api_args: list = []
+        self.log: list[str] = []
+        monkeypatch.setattr(pub, "run_docker", self.docker)
+        monkeypatch.setattr(pub, "RegistryApi", self._api)
+        monkeypatch.setattr(pub, "find_docker", self._no_docker_lookup)
+        monkeypatch.setattr(pub, "PUSH_RETRY_WAIT_S", 0.0)
+
+    def _api(self, registry, credentials, *, config_dir=None, scheme=None):
+        self.api_args.append((registry, credentials, config_dir, scheme))
+        return self.registry
+
+    @staticmethod
+    def _no_docker_lookup():
+        raise AssertionError("publish looked for a docker CLI although one was passed")
+
+    def item(self, image: str, *, repository: str | None = None, long_tag: str = "1.0.0-cpu-abc123",
+             short_tag: str = "1.0-cpu", image_id: str | None = None) -> PublishItem:
+        name = f"mopt/{image}:cpu"
+        found = self.docker.resolve(name) or self.docker.add_image(name)
+        return PublishItem(f"{image}:cpu", image_id or found, repository or f"mopt/{image}", long_tag, short_tag)
+
+    def publish(self, items, tmp_path, **kw) -> list[PublishResult]:
+        kw.setdefault("docker", CLI)
+        return pub.publish(items, REGISTRY, docker_config=str(tmp_path), log=self.log.append, **kw)
+
+    def moves(self) -> list[tuple]:
+        return [e for e in self.events if e[0] in ("push", "verify", "tag")]
+
+
+@pytest.fixture
+def world(monkeypatch) -> World:
+    return World(monkeypatch)
+
+
+def _long(image: str) -> str:
+    return f"{HOST}/team/{image}:1.0.0-cpu-abc123"
+
+
+def _short(image: str) -> str:
+    return f"{HOST}/team/{image}:1.0-cpu"
+
+
+def _other_image(world: World, repo: str, tag: str) -> str:
+    """Put a different image (another build) at repo:tag in the registry; return its digest."""
+    other = world.docker.add_image(f"someone/else-{repo.replace('/', '-')}:{tag}")
+    del world.docker.refs[f"someone/else-{repo.replace('/', '-')}:{tag}"]  # not a local image of this host
+    return world.registry.put(repo, tag, world.docker.body(other))
+
+
+# --------------------------------------------------------------------------- the phases of a release
+def test_every_long_tag_is_verified_before_any_short_tag_moves(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    old = _other_image(world, "team/qwen3-embed", "1.0-cpu")  # the previous release's short tag
+
+    results = world.publish([a, b], tmp_path)
+
+    da, db = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123"), \
+        world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123")
+    assert world.moves() == [
+        ("tag", _long("minilm-embed")), ("push", _long("minilm-embed")),
+        ("verify", "team/minilm-embed:1.0.0-cpu-abc123", da),
+        ("tag", _long("qwen3-embed")), ("push", _long("qwen3-embed")),
+        ("verify", "team/qwen3-embed:1.0.0-cpu-abc123", db),
+        ("tag", _short("minilm-embed")), ("push", _short("minilm-embed")), ("verify", "team/minilm-embed:1.0-cpu", da),
+        ("tag", _short("qwen3-embed")), ("push", _short("qwen3-embed")), ("verify", "team/qwen3-embed:1.0-cpu", db),
+    ]
+    assert results == [
+        PublishResult("minilm-embed:cpu", (_long("minilm-embed"), _short("minilm-embed")), da, False),
+        PublishResult("qwen3-embed:cpu", (_long("qwen3-embed"), _short("qwen3-embed")), db, False),
+    ]
+    assert world.registry.digest("team/minilm-embed", "1.0-cpu") == da
+    assert world.registry.digest("team/qwen3-embed", "1.0-cpu") == db != old
+    assert world.docker.body(a.image_id)["config"]["digest"] == a.image_id
+    assert f"  moved {_short('minilm-embed')}: absent -> {da}" in world.log
+    assert f"  moved {_short('qwen3-embed')}: {old} -> {db}" in world.log
+    # The registry-prefixed local tags this run made are removed again; the images stay.
+    assert [e for e in world.events if e[0] == "rmi"] == [
+        ("rmi", r) for r in (_short("qwen3-embed"), _short("minilm-embed"), _long("qwen3-embed"),
+                             _long("minilm-embed"))]
+    assert set(world.docker.refs) == {"mopt/minilm-embed:cpu", "mopt/qwen3-embed:cpu"}
+    assert world.registry.closed
+
+
+def test_a_long_tag_failing_verification_moves_no_short_tag(world, tmp_path):
+    a, b, c = world.item("minilm-embed"), world.item("qwen3-embed"), world.item("qwen3-chat")
+    world.docker.lossy.add(b.image_id)  # b's layer never reaches the registry: its verification fails
+
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b, c], tmp_path)
+
+    db = world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123")
+    exc = caught.value
+    # The image's config blob (digest: the image id) is the first thing checked, and missing.
+    assert exc.message == (f"qwen3-embed:cpu: team/qwen3-embed: blob {b.image_id} referenced by manifest {db} is "
+                           "missing\n"
+                           f"(no short tag was moved; verified long tags a re-run will skip: {_long('minilm-embed')})")
+    assert str(exc) == exc.message and exc.args == (exc.message,) and exc.exit_code == 6
+    assert exc.failed == "qwen3-embed:cpu"
+    assert exc.published == [] and exc.long_verified == [_long("minilm-embed")]
+    pushed = [e[1] for e in world.events if e[0] == "push"]
+    assert pushed == [_long("minilm-embed"), _long("qwen3-embed")]  # nothing after the failure, no short tag
+    for image in ("minilm-embed", "qwen3-embed", "qwen3-chat"):
+        assert world.registry.digest(f"team/{image}", "1.0-cpu") is None
+    assert world.registry.closed
+
+
+def test_the_first_long_tag_failing_names_no_verified_tags(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    world.docker.lossy.add(a.image_id)
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b], tmp_path)
+    assert caught.value.message.endswith("is missing\n(no short tag was moved)")
+    assert caught.value.failed == "minilm-embed:cpu" and caught.value.long_verified == []
+    assert [e[1] for e in world.events if e[0] == "push"] == [_long("minilm-embed")]
+
+
+def test_a_long_tag_holding_another_image_is_refused_before_any_push(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    taken = _other_image(world, "team/qwen3-embed", "1.0.0-cpu-abc123")
+
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b], tmp_path)
+
+    assert caught.value.message == (
+        f"qwen3-embed:cpu: {_long('qwen3-embed')} already points at {taken} in the registry, which is not local "
+        f"image {b.image_id}; {REFUSAL_TAIL}\n(no short tag was moved)")
+    assert caught.value.failed == "qwen3-embed:cpu"
+    assert caught.value.published == [] and caught.value.long_verified == []
+    assert world.moves() == []  # phase 0: not even a's long tag was pushed
+    assert world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123") is None
+
+
+def test_a_long_tag_taken_by_a_racing_publisher_is_refused_in_phase_1(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    box = {}
+    # Between phase 0 and b's push, another publisher takes b's long tag.
+    world.registry.after_verify[("team/minilm-embed", "1.0.0-cpu-abc123")] = lambda: box.setdefault(
+        "digest", _other_image(world, "team/qwen3-embed", "1.0.0-cpu-abc123"))
+
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b], tmp_path)
+
+    assert caught.value.message == (
+        f"qwen3-embed:cpu: {_long('qwen3-embed')} already points at {box['digest']} in the registry, which is not "
+        f"local image {b.image_id}; {REFUSAL_TAIL}\n"
+        f"(no short tag was moved; verified long tags a re-run will skip: {_long('minilm-embed')})")
+    assert [e[1] for e in world.events if e[0] == "push"] == [_long("minilm-embed")]
+    assert world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123") == box["digest"]
+
+
+def test_a_local_tag_that_cannot_be_removed_is_a_warning(world, tmp_path, monkeypatch):
+    a = world.item("minilm-embed")
+    fake = world.docker
+
+    def docker(args, **kw):
+        if args[0] == "rmi" and args[-1] == _long("minilm-embed"):
+            return subprocess.CompletedProcess(args, 1, "", "Error response from daemon: conflict: image is in use\n")
+        return fake(args, **kw)
+
+    monkeypatch.setattr(pub, "run_docker", docker)
+    [result] = world.publish([a], tmp_path)
+    assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
+    assert world.log[-1] == (f"  warning: could not remove local tag {_long('minilm-embed')}: Error response from "
+                             "daemon: conflict: image is in use")
+
+
+def test_a_rerun_skips_verified_long_tags_and_short_tags_already_there(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    first = world.publish([a, b], tmp_path)
+    world.events.clear()
+
+    again = world.publish([a, b], tmp_path)
+
+    assert [e for e in world.events if e[0] in ("push", "tag")] == []
+    assert again == [PublishResult(r.variant_id, (), r.digest, True) for r in first]
+    assert [e for e in world.events if e[0] == "verify"] == [
+        ("verify", "team/minilm-embed:1.0.0-cpu-abc123", first[0].digest),
+        ("verify", "team/qwen3-embed:1.0.0-cpu-abc123", first[1].digest),
+        ("verify", "team/minilm-embed:1.0-cpu", first[0].digest),
+        ("verify", "team/qwen3-embed:1.0-cpu", first[1].digest),
+    ]
+    assert f"  {_long('minilm-embed')} already points at {first[0].digest} (this image): not pushed again" \
+        in world.log
+
+
+def _this_image_at_long_tag(world: World, item: PublishItem, known_by: str) -> str:
+    """Put item's image at its long tag, recognisable by the way given; return the tag's digest."""
+    repo = item.repository.replace("mopt/", "team/")
+    body = world.docker.body(item.image_id)
+    if known_by == "repo digest":
+        # Another client pushed it (another compression: its own config digest); docker recorded the digest.
+        digest = world.registry.put(repo, item.long_tag, world.docker.body(
+            world.docker.add_image(f"re-compressed {repo}")))
+        world.docker.images[item.image_id]["RepoDigests"] = [f"elsewhere.io/{repo}@{_sha('x')}",
+                                                             f"{HOST}/{repo}@{digest}"]
+        return digest
+    if known_by == "config digest":
+        return world.registry.put(repo, item.long_tag, body)
+    child = world.registry.store(repo, body)
+    other = world.registry.store(repo, world.docker.body(world.docker.add_image(f"arm64 {repo}")))
+    return world.registry.put(repo, item.long_tag, {
+        "schemaVersion": 2, "mediaType": INDEX, "manifests": [{"digest": other}, {"digest": child}]})
+
+
+@pytest.mark.parametrize("known_by", ["repo digest", "config digest", "index"])
+def test_a_long_tag_already_holding_this_image_is_not_pushed(world, tmp_path, known_by):
+    a = world.item("minilm-embed")
+    digest = _this_image_at_long_tag(world, a, known_by)
+    if known_by != "config digest":
+        # docker would push its own manifest, not this one: the short tag must already be there too.
+        world.registry.tags[("team/minilm-embed", "1.0-cpu")] = digest
+
+    [result] = world.publish([a], tmp_path)
+
+    moved = () if known_by != "config digest" else (_short("minilm-embed"),)
+    assert result == PublishResult("minilm-embed:cpu", moved, digest, True)
+    assert [e[1] for e in world.events if e[0] == "push"] == list(moved)
+    assert world.registry.digest("team/minilm-embed", "1.0-cpu") == digest
+
+
+def test_a_repo_digest_under_another_registry_is_not_this_image(world, tmp_path):
+    a = world.item("minilm-embed")
+    other = world.docker.add_image("re-compressed")
+    digest = world.registry.put("team/minilm-embed", "1.0.0-cpu-abc123", world.docker.body(other))
+    world.docker.images[a.image_id]["RepoDigests"] = [f"elsewhere.io/team/minilm-embed@{digest}",
+                                                      f"{HOST}/mopt/minilm-embed@{digest}"]
+    with pytest.raises(PublishError, match="long tags are immutable"):
+        world.publish([a], tmp_path)
+    assert world.moves() == []
+
+
+def test_a_short_tag_pushed_as_another_digest_fails_and_names_the_moved_ones(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    intruder = world.docker.add_image("retagged meanwhile")
+    world.docker.push_as[_short("qwen3-embed")] = intruder
+
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b], tmp_path)
+
+    da = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123")
+    db = world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123")
+    wrong = world.registry.digest("team/qwen3-embed", "1.0-cpu")
+    assert wrong != db
+    assert caught.value.message == (
+        f"qwen3-embed:cpu: {_short('qwen3-embed')} was pushed as {wrong}, but the verified long tag is {db}\n"
+        "(short tags already moved: minilm-embed:cpu)")
+    assert caught.value.failed == "qwen3-embed:cpu" and caught.value.long_verified == []
+    assert caught.value.published == [
+        PublishResult("minilm-embed:cpu", (_long("minilm-embed"), _short("minilm-embed")), da, False)]
+
+
+def test_a_short_tag_failing_verification_fails(world, tmp_path):
+    a = world.item("minilm-embed")
+
+    def lose_the_layer() -> None:
+        world.registry.blobs.discard(("team/minilm-embed", world.docker.images[a.image_id]["layer"]))
+        world.docker.lossy.add(a.image_id)
+
+    world.registry.after_verify[("team/minilm-embed", "1.0.0-cpu-abc123")] = lose_the_layer
+    with pytest.raises(PublishError) as caught:
+        world.publish([a], tmp_path)
+    assert caught.value.message.startswith("minilm-embed:cpu: team/minilm-embed: blob ")
+    assert caught.value.message.endswith(" is missing")  # the first item: no short tag moved before it
+    assert caught.value.published == []
+    assert [e[1] for e in world.events if e[0] == "push"] == [_long("minilm-embed"), _short("minilm-embed")]
+
+
+@pytest.mark.parametrize("ref", [_long("minilm-embed"), _short("minilm-embed")])
+def test_one_refused_docker_push_is_retried(world, tmp_path, ref):
+    # The registry API has just accepted these credentials: one "unauthorized" from docker is a flaky proxy.
+    a = world.item("minilm-embed")
+    world.docker.push_outputs[ref] = ["unauthorized: authentication required\n"]
+    [result] = world.publish([a], tmp_path)
+    assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
+    assert [e[1] for e in world.events if e[0] == "push"].count(ref) == 2
+
+
+@pytest.mark.parametrize("ref", [_long("minilm-embed"), _short("minilm-embed")])
+def test_a_docker_push_refused_twice_fails(world, tmp_path, ref):
+    a = world.item("minilm-embed")
+    world.docker.push_outputs[ref] = ["unauthorized: authentication required\n"] * 2
+    with pytest.raises(PublishError, match=f"docker push {ref} was refused by the registry"):
+        world.publish([a], tmp_path)
+    assert [e[1] for e in world.events if e[0] == "push"].count(ref) == 2
+
+
+# --------------------------------------------------------------------------- publish(): inputs and wiring
+@pytest.mark.parametrize("second", [
+    dict(variant="qwen3-embed:cpu", repository="mopt/minilm-embed", long_tag="1.0.0-cpu-abc123", short_tag="2"),
+    dict(variant="qwen3-embed:cpu", repository="mopt/minilm-embed", long_tag="2.0.0", short_tag="1.0-cpu"),
+    # The registry's namespace replaces the planned one: both land in team/minilm-embed.
+    dict(variant="qwen3-embed:cpu", repository="other/minilm-embed", long_tag="2.0.0", short_tag="1.0-cpu"),
+    # One item's short tag is another's long tag.
+    dict(variant="qwen3-embed:cpu", repository="mopt/minilm-embed", long_tag="1.0-cpu", short_tag="2"),
+])
+def test_two_items_publishing_the_same_tag_are_refused(world, tmp_path, second):
+    a = world.item("minilm-embed")
+    b = PublishItem(second["variant"], a.image_id, second["repository"], second["long_tag"], second["short_tag"])
+    clash = "1.0.0-cpu-abc123" if second["long_tag"] == "1.0.0-cpu-abc123" else "1.0-cpu"
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b], tmp_path)
+    assert caught.value.message == f"qwen3-embed:cpu and minilm-embed:cpu would both publish team/minilm-embed:{clash}"
+    assert world.events == [] and world.api_args == []
+
+
+def test_the_same_item_twice_is_not_a_clash(world, tmp_path):
+    a = world.item("minilm-embed")
+    results = world.publish(iter([a, a]), tmp_path)
+    digest = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123")
+    assert results == [PublishResult("minilm-embed:cpu", (_long("minilm-embed"), _short("minilm-embed")), digest,
+                                     False),
+                       PublishResult("minilm-embed:cpu", (), digest, True)]
+
+
+def test_credentials_and_config_dir_reach_the_api_and_docker(world, tmp_path):
+    auth = base64.b64encode(b"ci:s3cret").decode()
+    (tmp_path / "config.json").write_text(json.dumps({"auths": {HOST: {"auth": auth}}}))
+    a = world.item("minilm-embed")
+    world.publish([a], tmp_path)
+    assert world.api_args == [(REGISTRY, Credentials(str(tmp_path / "config.json"), "ci", "s3cret"), tmp_path,
+                               None)]
+    assert world.docker.pushes == [(ref, {"DOCKER_CONFIG": str(tmp_path)}, ["s3cret"])
+                                   for ref in (_long("minilm-embed"), _short("minilm-embed"))]
+    assert "s3cret" not in "\n".join(world.log)
+
+
+def test_without_credentials_nothing_is_redacted(world, tmp_path):
+    world.publish([world.item("minilm-embed")], tmp_path)
+    assert world.api_args == [(REGISTRY, None, tmp_path, None)]
+    assert [p[2] for p in world.docker.pushes] == [[], []]
+
+
+def test_the_docker_cli_is_looked_up_only_when_none_is_given(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(pub, "find_docker", lambda: CLI)
+    [result] = world.publish([world.item("minilm-embed")], tmp_path, docker=None)
+    assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
+
+
+def test_the_api_is_closed_when_the_release_fails(world, tmp_path):
+    a = world.item("minilm-embed", image_id=_sha("removed after its smoke test"))
+    with pytest.raises(PublishError):
+        world.publish([a], tmp_path)
+    assert world.registry.closed
+
+
+# --------------------------------------------------------------------------- the local image
+def test_a_missing_local_image_fails_before_any_push(world, tmp_path):
+    a = world.item("minilm-embed")
+    gone = _sha("removed after its smoke test")
+    b = world.item("qwen3-embed", image_id=gone)
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b], tmp_path)
+    assert caught.value.message == (f"qwen3-embed:cpu: local image {gone} not found (was it removed after its "
+                                    "smoke test?)\n(no short tag was moved)")
+    assert world.moves() == []
+
+
+def test_a_short_image_id_must_resolve_to_the_smoke_tested_image(world):
+    full = world.docker.add_image("mopt/minilm-embed:cpu")
+    item = PublishItem("minilm-embed:cpu", full[:19], "mopt/minilm-embed", "1.0.0", "1.0")
+    with pytest.raises(PublishError) as caught:
+        pub._local(CLI, item)
+    assert caught.value.message == f"{full[:19]} resolves to image {full}, not the smoke-tested one"
+
+
+def test_a_local_image_named_by_reference_is_used_as_it_resolves(world):
+    full = world.docker.add_image("mopt/minilm-embed:cpu")
+    item = PublishItem("minilm-embed:cpu", "mopt/minilm-embed:cpu", "mopt/minilm-embed", "1.0.0", "1.0")
+    assert pub._local(CLI, item) == pub._LocalImage(full, ())
+    assert pub._local(CLI, PublishItem("x", full, "mopt/x", "1", "2")).id == full
+
+
+def test_refs_use_the_registry_namespace():
+    item = PublishItem("minilm-embed:cpu", _sha("x"), "mopt/minilm-embed", "1.0.0-cpu-abc123", "1.0-cpu")
+    assert pub._refs(item, REGISTRY) == ("team/minilm-embed", f"{HOST}/team/minilm-embed", _long("minilm-embed"),
+                                         _short("minilm-embed"))
+    assert pub._refs(item, Registry.parse(HOST)) == ("mopt/minilm-embed", f"{HOST}/mopt/minilm-embed",
+                                                     f"{HOST}/mopt/minilm-embed:1.0.0-cpu-abc123",
+                                                     f"{HOST}/mopt/minilm-embed:1.0-cpu")
+
+
+# --------------------------------------------------------------------------- _fail's notes
+ITEM = PublishItem("qwen3-embed:cpu", _sha("q"), "mopt/qwen3-embed", "1.0.0", "1.0")
+DONE = PublishResult("minilm-embed:cpu", ("r:1.0.0", "r:1.0"), _sha("m"), False)
+
+
+@pytest.mark.parametrize("published, long_verified, phase, note", [
+    ([], [], "long", "\n(no short tag was moved)"),
+    ([], ["h/a:1.0.0", "h/b:1.0.0"], "long",
+     "\n(no short tag was moved; verified long tags a re-run will skip: h/a:1.0.0, h/b:1.0.0)"),
+    ([], [], "short", ""),
+    ([DONE, PublishResult("chat:cpu", (), _sha("c"), True)], [], "short",
+     "\n(short tags already moved: minilm-embed:cpu, chat:cpu)"),
+])
+def test_fail_prefixes_the_variant_and_notes_what_moved(published, long_verified, phase, note):
+    exc = PublishError("boom")
+    out = pub._fail(exc, ITEM, published, long_verified, phase)
+    assert out is exc
+    assert exc.message == "qwen3-embed:cpu: boom" + note
+    assert str(exc) == exc.message and exc.args == (exc.message,)
+    assert exc.failed == "qwen3-embed:cpu"
+    assert exc.published == published and exc.published is not published
+    assert exc.long_verified == long_verified and exc.long_verified is not long_verified
+
+
+# --------------------------------------------------------------------------- the dry run
+def test_dry_run_changes_nothing_and_logs_what_would_move(world, tmp_path):
+    a = world.item("minilm-embed")
+    a = PublishItem(a.variant_id, "mopt/minilm-embed:cpu", a.repository, a.long_tag, a.short_tag)  # by name
+    ida = world.docker.resolve(a.image_id)
+    b, c, e = world.item("qwen3-embed"), world.item("qwen3-chat"), world.item("qwen3-rerank")
+    # a: new; b, c, e: this image is there (told by its repo digest, an index, the config digest);
+    # b's short tag is there too, c's points elsewhere, e has none.
+    db = _this_image_at_long_tag(world, b, "repo digest")
+    world.registry.tags[("team/qwen3-embed", "1.0-cpu")] = db
+    dc = _this_image_at_long_tag(world, c, "index")
+    old = _other_image(world, "team/qwen3-chat", "1.0-cpu")
+    de = _this_image_at_long_tag(world, e, "config digest")
+    tags_before, refs_before = dict(world.registry.tags), dict(world.docker.refs)
+
+    results = world.publish([a, b, c, e], tmp_path, dry_run=True)
+
+    assert results == [
+        PublishResult("minilm-embed:cpu", (_long("minilm-embed"), _short("minilm-embed")), "", False),
+        PublishResult("qwen3-embed:cpu", (), db, True),
+        PublishResult("qwen3-chat:cpu", (_short("qwen3-chat"),), dc, True),
+        PublishResult("qwen3-rerank:cpu", (_short("qwen3-rerank"),), de, True),
+    ]
+    assert world.moves() == [] and [e for e in world.events if e[0] == "rmi"] == []
+    assert world.registry.tags == tags_before and world.docker.refs == refs_before
+    assert world.log == [
+        "[dry-run] phase 1: immutable long tags (pushed and verified first)",
+        f"[dry-run] {_long('minilm-embed')} -> {ida} (registry: no such tag) : would push",
+        f"[dry-run] {_long('qwen3-embed')} -> {b.image_id} (registry: {db}, same image) : would skip",
+        f"[dry-run] {_long('qwen3-chat')} -> {c.image_id} (registry: {dc}, same image) : would skip",
+        f"[dry-run] {_long('qwen3-rerank')} -> {e.image_id} (registry: {de}, same image) : would skip",
+        "[dry-run] phase 2: moving short tags (only after every long tag above is verified)",
+        f"[dry-run] {_short('minilm-embed')} -> {ida} (registry: no such tag) : would push",
+        f"[dry-run] {_short('qwen3-embed')} -> {b.image_id} (registry: {db}) : already there",
+        f"[dry-run] {_short('qwen3-chat')} -> {c.image_id} (registry: {old}) : would push",
+        f"[dry-run] {_short('qwen3-rerank')} -> {e.image_id} (registry: no such tag) : would push",
+    ]
+    assert world.registry.closed
+
+
+def test_dry_run_raises_when_the_real_run_would_be_refused(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    gone = _sha("removed after its smoke test")
+    c = world.item("qwen3-chat", image_id=gone)
+    d = world.item("qwen3-rerank")
+    taken = _other_image(world, "team/qwen3-embed", "1.0.0-cpu-abc123")
+    world.registry.failing.add(("team/qwen3-rerank", "1.0-cpu"))
+    tags_before = dict(world.registry.tags)
+
+    # Each problem item is followed by another: the plan goes on checking after a problem.
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, c, d, b], tmp_path, dry_run=True)
+
+    unreachable = f"registry {HOST} kept failing: HTTP 503 (after 5 attempts)"
+    assert caught.value.message == (
+        "dry run: the publish would fail:\n"
+        f"  qwen3-chat:cpu: local image {gone} not found (was it removed after its smoke test?)\n"
+        f"  qwen3-embed:cpu: {_long('qwen3-embed')} already points at {taken}, a different image than "
+        f"{b.image_id}; long tags are immutable\n"
+        f"  qwen3-rerank:cpu: {unreachable}")  # phase 1's problems first, then phase 2's
+    assert caught.value.published == [] and caught.value.exit_code == 6
+    assert world.moves() == [] and world.registry.tags == tags_before
+    assert world.log == [
+        "[dry-run] phase 1: immutable long tags (pushed and verified first)",
+        f"[dry-run] {_long('minilm-embed')} -> {a.image_id} (registry: no such tag) : would push",
+        f"  qwen3-chat:cpu: cannot check: local image {gone} not found (was it removed after its smoke test?)",
+        f"[dry-run] {_long('qwen3-rerank')} -> {d.image_id} (registry: no such tag) : would push",
+        f"[dry-run] {_long('qwen3-embed')} -> {b.image_id} (registry: {taken}, DIFFERENT image) : would REFUSE",
+        "[dry-run] phase 2: moving short tags (only after every long tag above is verified)",
+        f"[dry-run] {_short('minilm-embed')} -> {a.image_id} (registry: no such tag) : would not move",
+        f"[dry-run] {_short('qwen3-chat')} -> {gone} (registry: no such tag) : would not move",
+        f"  qwen3-rerank:cpu: cannot check: {unreachable}",
+        f"[dry-run] {_short('qwen3-embed')} -> {b.image_id} (registry: no such tag) : would not move",
+    ]
+
