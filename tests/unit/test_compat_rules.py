@@ -4,6 +4,7 @@ load_knowledge_base for a broken compat.yaml."""
 from __future__ import annotations
 
 import copy
+import locale
 from pathlib import Path
 
 import pytest
@@ -105,10 +106,13 @@ def test_unconfirmed_cuda_without_note():
                                               "Its minimum driver is not checked.",))
 
 
-def test_disable_env_defaults_to_nvidia_disable_require():
+def test_disable_env_comes_from_the_kb():
     kb = _edited(lambda d: d["cuda"]["container_requirement"].pop("disable_env"))
     (reason,), _ = _verdict(kb, cuda="12.1", driver="525.60.13")
-    assert reason.endswith(MVC_12)
+    assert reason.endswith(MVC_12)                   # NVIDIA_DISABLE_REQUIRE=true when the KB names none
+    kb = _edited(lambda d: d["cuda"]["container_requirement"].update(disable_env="NVIDIA_DISABLE_REQUIRE=1"))
+    (reason,), _ = _verdict(kb, cuda="12.1", driver="525.60.13")
+    assert reason.endswith(MVC_12.replace("NVIDIA_DISABLE_REQUIRE=true", "NVIDIA_DISABLE_REQUIRE=1"))
 
 
 def test_a_branch_at_a_dot_zero_floor_is_enough():
@@ -393,6 +397,20 @@ def test_trtllm_conflicts_name_pins_and_source():
         f"TensorRT-LLM 1.0 requires torch >=2.7.1,<=2.8.0a0, but torch 2.8.0 was given {src}.",)
 
 
+def test_trtllm_tensorrt_range_pin():
+    # a range is not one release: it is resolved as written, enforced on a given TensorRT, and not looked up
+    kb = _edited(lambda d: _row(d, ("tensorrt_llm", "pins"), "tensorrt_llm", "1.1").update(
+        tensorrt=">=10.13.2,<10.14"))
+    v = check(Combo(tensorrt_llm="1.1", sm="90"), kb)
+    assert v.compatible and (v.resolved["tensorrt"], v.resolved["tensorrt_implied"]) == (">=10.13.2,<10.14", True)
+    assert v.warnings == ("TensorRT-LLM 1.1 pins TensorRT >=10.13.2,<10.14, a range, not one release; TensorRT is "
+                          "not checked further (source: TRTLLM-RN; TRTLLM-REQ).",)
+    assert _verdict(kb, tensorrt_llm="1.1", tensorrt="10.13.3", sm="90") == ((), ())
+    assert _verdict(kb, tensorrt_llm="1.1", tensorrt="10.14.1", sm="90")[0] == (
+        "TensorRT-LLM 1.1 is pinned to TensorRT >=10.13.2,<10.14, but TensorRT 10.14.1 was given "
+        "(source: TRTLLM-RN; TRTLLM-REQ).",)
+
+
 def test_trtllm_unknown_and_unconfirmed():
     assert _verdict(tensorrt_llm="0.9") == ((
         f"TensorRT-LLM 0.9 is unknown to the compatibility knowledge base ({_kb_path()}, tensorrt_llm.pins); add a "
@@ -530,6 +548,14 @@ def test_torch_arch_lists(cuda, torch, sm, reasons):
     assert _verdict(cuda=cuda, torch=torch, sm=sm) == (tuple(reasons), ())
 
 
+def test_every_matching_arch_list_applies():
+    # a row that covers sm_121 through the cubin rule does not end the check: a later, narrower row still applies
+    kb = _edited(lambda d: d["torch"]["arch_lists"].append(
+        {"torch": "2.11", "cuda": ["13.0"], "min_sm": "75", "max_sm": "100", "source": "TORCH-RN"}))
+    assert _verdict(kb, cuda="13.0", torch="2.11.0", sm="121")[0] == (
+        "torch 2.11.0 cu130 wheels end at sm_100 without PTX; sm_121 is not covered (source: TORCH-RN).",)
+
+
 def test_torch_ptx_covers_newer_major_with_a_warning():
     kb = _edited(lambda d: next(r for r in d["torch"]["arch_lists"] if r["cuda"] == ["13.0"]).update(max_sm="90"))
     caveat = " ".join(knowledge_base().data["cuda"]["ptx_jit_caveat"]["text"].split())
@@ -579,7 +605,7 @@ def _write(tmp_path: Path, edit) -> Path:
     data = yaml.safe_load(compat.DATA_FILE.read_text(encoding="utf-8"))
     edit(data)
     path = tmp_path / "compat.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8")
     return path
 
 
@@ -590,6 +616,25 @@ def test_load_default_and_given_path(tmp_path):
     mine = load_knowledge_base(path)
     assert mine.path == str(path)
     assert compat.min_driver("12.1", mine) == "531.00"
+
+
+@pytest.fixture
+def ascii_locale():
+    """The host's locale says ASCII (as LANG=C does without Python's UTF-8 mode)."""
+    old = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, old)
+
+
+def test_kb_is_read_as_utf8_whatever_the_locale(tmp_path, ascii_locale):
+    note = "TensorRT-LLM 1.2 pins – UNCONFIRMED"
+    kb = load_knowledge_base(_write(tmp_path, lambda d: _row(d, ("tensorrt_llm", "pins"), "tensorrt_llm", "1.2")
+                                    .update(note=note)))
+    assert _verdict(kb, tensorrt_llm="1.2")[1] == (f"UNCONFIRMED: TensorRT-LLM 1.2: {note} "
+                                                   f"(source: TRTLLM-RN; TRTLLM-REQ).",)
 
 
 @pytest.mark.parametrize("source", ["https://pypi.org/project/vllm/", "http://example.org/notes",
