@@ -35,7 +35,7 @@ def _verdict(kb: KnowledgeBase | None = None, **combo) -> tuple[tuple[str, ...],
 
 
 def _edited(edit, path: str = "edited/compat.yaml") -> KnowledgeBase:
-    """The packaged KB with one change, as check() would get it from load_knowledge_base."""
+    """The packaged KB with one change (not validated: a few edits reach branches the schema would refuse)."""
     data = copy.deepcopy(knowledge_base().data)
     edit(data)
     return KnowledgeBase(data=data, path=path)
@@ -198,8 +198,8 @@ def test_malformed_versions_are_config_errors(field):
     ("11.8", "90a", ["sm_90a (compute capability 9.0) was added in CUDA 12.0; CUDA 11.8 cannot compile for it "
                      "(nvcc fatal : Unsupported gpu architecture 'compute_90a') (source: CMAKE)."]),
     ("12.0", "90a", []),           # 90a has its own row: no fallback warning
-    ("12.8", "99", [f"sm_99 is unknown to the compatibility knowledge base ({'{kb}'}, sm.archs); add a row with the "
-                    f"CUDA version that added it and its source."]),
+    ("12.8", "99", ["sm_99 is unknown to the compatibility knowledge base ({kb}, sm.archs); add a row with the "
+                    "CUDA version that added it and its source."]),
 ])
 def test_sm_added_and_dropped_per_cuda(cuda, sm, reasons):
     expected = tuple(r.replace("{kb}", _kb_path()) for r in reasons)
