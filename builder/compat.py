@@ -414,8 +414,12 @@ def _check_trtllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
                 ctx.fact(row, f"TensorRT-LLM {ver} is pinned to TensorRT {row['tensorrt']}, "
                               f"but TensorRT {combo.tensorrt} was given {src}.")
         else:
-            ctx.resolved["tensorrt"] = _pin_version(row["tensorrt"]) or row["tensorrt"]
+            pinned = _pin_version(row["tensorrt"])
+            ctx.resolved["tensorrt"] = pinned or row["tensorrt"]
             ctx.resolved["tensorrt_implied"] = True
+            if not pinned:
+                ctx.warn(f"TensorRT-LLM {ver} pins TensorRT {row['tensorrt']}, a range, not one release; "
+                         f"TensorRT is not checked further {src}.")
     if row.get("cuda"):
         if cuda:
             if major_minor(cuda) != major_minor(row["cuda"]):
@@ -641,7 +645,7 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
         ctx.warn(f"{_driver_text(driver)} given without a CUDA version; nothing to check it against.")
     arch_sm = _check_sm_cuda(ctx, sm, eff_cuda) if sm else None
     trt = combo.tensorrt or ctx.resolved.get("tensorrt")
-    if trt:
+    if trt and (combo.tensorrt or _pin_version(trt)):      # an implied range names no release to look up
         _check_tensorrt(ctx, trt, bool(combo.tensorrt), eff_cuda, sm if arch_sm else None)
     if combo.tensorrt_llm and sm and arch_sm:
         _sm_rules(ctx, ("tensorrt_llm", "sm_rules"), "tensorrt_llm", combo.tensorrt_llm, "TensorRT-LLM", sm)
