@@ -59,7 +59,7 @@ def read_lock(path: Path) -> dict:
         raise ConfigError(f"{path}: no lock file (run mopt lock first)") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    if data.get("schema") != 1 or not isinstance(data.get("runtimes"), dict):
+    if not isinstance(data, dict) or data.get("schema") != 1 or not isinstance(data.get("runtimes"), dict):
         raise ConfigError(f"{path}: not a mopt lock (schema 1)")
     return data
 

@@ -11,7 +11,6 @@ README = REPO / "README.md"
 DOCS = REPO / "docs"
 README_MAX_BYTES = 12_500
 # Pages another change generates; a link to one may exist before the page does (not an #anchor into it).
-PENDING = {DOCS / "cli.md"}
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(.+?)(?<!`)\1(?!`)", re.S)
@@ -73,7 +72,7 @@ def anchors(path: Path) -> set[str]:
     return out
 
 
-def link_problems(page: Path, repo: Path = REPO, pending=frozenset(PENDING)) -> list[str]:
+def link_problems(page: Path, repo: Path = REPO) -> list[str]:
     problems = []
     text = page.read_text()
     for target in links(text):
@@ -93,8 +92,6 @@ def link_problems(page: Path, repo: Path = REPO, pending=frozenset(PENDING)) -> 
             problems.append(f"{where}: resolves outside the repository")
             continue
         if not dest.exists():
-            if dest in {p.resolve() for p in pending} and not anchor:
-                continue
             problems.append(f"{where}: no such file")
             continue
         if anchor:
@@ -123,7 +120,7 @@ def test_links_resolve_and_stay_inside_the_repository(page):
 
 
 def test_every_docs_page_is_linked_from_the_readme_and_the_index():
-    docs = {p.resolve() for p in DOCS.glob("*.md") if p.name != "README.md"} | {p.resolve() for p in PENDING}
+    docs = {p.resolve() for p in DOCS.glob("*.md") if p.name != "README.md"}
     for index in (README, DOCS / "README.md"):
         linked = {(index.parent / t.partition("#")[0]).resolve() for t in links(index.read_text())
                   if not SCHEME.match(t)}
@@ -144,12 +141,12 @@ def test_the_checker_catches_broken_links(tmp_path):
     page = tmp_path / "README.md"
     page.write_text(
         "# Top\n\n"
-        "[ok](docs/a.md#real-heading) [ok](#top) [pending](docs/gen.md)\n"
+        "[ok](docs/a.md#real-heading) [ok](#top)\n"
         "`curl http://127.0.0.1:8080/v1/x` and\n\n```sh\ncurl http://localhost:5000/v2/\n```\n"
         "[missing](docs/b.md) [bad anchor](docs/a.md#nope) [web](https://example.com/x)\n"
         "[escape](../outside.md) [abs](/etc/passwd) see http://127.0.0.1:1/ in prose\n"
         "`wget https://example.org/f` [gen anchor](docs/gen.md#x)\n")
-    problems = link_problems(page, repo=tmp_path, pending={tmp_path / "docs" / "gen.md"})
+    problems = link_problems(page, repo=tmp_path)
     text = "\n".join(problems)
     for needle in ["(docs/b.md): no such file", "#nope", "(https://example.com/x): points outside",
                    "(../outside.md): resolves outside", "(/etc/passwd): absolute path",

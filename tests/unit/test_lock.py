@@ -101,6 +101,8 @@ def test_read_lock_bad_json(tmp_path):
     {"schema": 1},
     {"schema": 1, "runtimes": []},
     {"schema": 1, "runtimes": None},
+    [],  # valid JSON, not an object: one message, not a traceback
+    "schema",
 ])
 def test_read_lock_wrong_schema(tmp_path, data):
     path = tmp_path / "mopt.lock.json"
