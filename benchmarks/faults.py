@@ -48,13 +48,15 @@ import requests
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from builder import publish as publish_mod  # noqa: E402
 from builder.dockerclient import DockerCli, find_docker, run_docker  # noqa: E402
 from builder.errors import PublishError  # noqa: E402
 from builder.localregistry import LocalRegistry, find_registry_binary  # noqa: E402
-from builder.publish import PublishItem, Registry, publish  # noqa: E402
+from builder.registry import api as api_mod  # noqa: E402
+from builder.registry import push as push_mod  # noqa: E402
+from builder.registry.api import ACCEPT  # noqa: E402
+from builder.registry.phases import PublishItem, publish  # noqa: E402
+from builder.registry.reference import Registry  # noqa: E402
 
-ACCEPT = publish_mod.ACCEPT
 RESULTS = REPO / "benchmarks" / "results" / "faults.json"
 
 
@@ -339,13 +341,13 @@ def _items(ids: list[str], long_suffix: str, short: str = "stable") -> list[Publ
 
 @contextmanager
 def _quick_retries(extra: int = 4):
-    saved = (publish_mod.PUSH_RETRY_WAIT_S, publish_mod.PUSH_EXTRA_ATTEMPTS, publish_mod.HTTP_WAIT_MULTIPLIER_S)
-    publish_mod.PUSH_RETRY_WAIT_S, publish_mod.PUSH_EXTRA_ATTEMPTS, publish_mod.HTTP_WAIT_MULTIPLIER_S = \
+    saved = (push_mod.PUSH_RETRY_WAIT_S, push_mod.PUSH_EXTRA_ATTEMPTS, api_mod.HTTP_WAIT_MULTIPLIER_S)
+    push_mod.PUSH_RETRY_WAIT_S, push_mod.PUSH_EXTRA_ATTEMPTS, api_mod.HTTP_WAIT_MULTIPLIER_S = \
         0.5, extra, 0.05
     try:
         yield
     finally:
-        publish_mod.PUSH_RETRY_WAIT_S, publish_mod.PUSH_EXTRA_ATTEMPTS, publish_mod.HTTP_WAIT_MULTIPLIER_S = saved
+        push_mod.PUSH_RETRY_WAIT_S, push_mod.PUSH_EXTRA_ATTEMPTS, api_mod.HTTP_WAIT_MULTIPLIER_S = saved
 
 
 def _publish(items, address, cfg, log) -> tuple[list, PublishError | None]:
@@ -554,13 +556,13 @@ def disk_full(bench: Bench, rep: int, push_timeout: float | None = None) -> dict
         items_old, items_new = _items(old_ids, "b1"), _items(new_ids, "b2")
         old, err = _publish(items_old, reg.address, cfg, Lines())
         assert err is None, err
-        saved = publish_mod.PUSH_TIMEOUT_S
-        publish_mod.PUSH_TIMEOUT_S = push_timeout or saved
+        saved = push_mod.PUSH_TIMEOUT_S
+        push_mod.PUSH_TIMEOUT_S = push_timeout or saved
         try:
             with _quick_retries(extra=0):
                 _, err = _publish(items_new, reg.address, cfg, Lines())
         finally:
-            publish_mod.PUSH_TIMEOUT_S = saved
+            push_mod.PUSH_TIMEOUT_S = saved
         assert err is not None and err.exit_code == 6, "a push to a full disk must fail"
         assert "no space left on device" in reg.log_path.read_text(errors="replace")
         view = RegistryView(reg)

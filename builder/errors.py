@@ -50,9 +50,20 @@ class SmokeTestError(MoptError):
 
 
 class PublishError(MoptError):
-    """Pushing to the registry failed or a digest did not verify. Exit 6."""
+    """Pushing to the registry failed or a digest did not verify. Exit 6.
+
+    A failed release says how far it got: `failed` names the variant it stopped at, `published` lists
+    the results (registry.phases.PublishResult) whose short tag moved, `long_verified` the long tags that
+    are in the registry and verified, which a re-run skips."""
 
     exit_code = 6
+
+    def __init__(self, message: str, *, failed: str | None = None, published: tuple = (),
+                 long_verified: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.failed = failed
+        self.published = list(published)
+        self.long_verified = list(long_verified)
 
 
 class EnvironmentProblem(MoptError):

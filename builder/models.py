@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BuildError, ConfigError
+from .hashing import tree_digest
 from .recipe import ModelSource, Recipe
-from .render import tree_digest
 
 Log = Callable[[str], None]
 

@@ -59,7 +59,7 @@ def _smoke(state: StateDir, matrix, variant: Variant, record: VariantRecord, row
 
 def _publish_item(state: StateDir, variant: Variant, record: VariantRecord):
     """The PublishItem for a variant whose smoke test passed for exactly this image."""
-    from .publish import PublishItem
+    from .registry.phases import PublishItem
 
     if not state.smoke_passed(variant.image, variant.tag, record):
         raise PublishError(f"{variant.id}: image {record.image_id[:19]} has not passed its smoke test; "
@@ -71,7 +71,8 @@ def _publish_item(state: StateDir, variant: Variant, record: VariantRecord):
 def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | None:
     """Publish every variant that reached the publish step as ONE release: all long tags pushed and
     verified before any short tag moves. Returns the error (rows already marked), or None."""
-    from .publish import Registry, publish
+    from .registry.phases import publish
+    from .registry.reference import Registry
 
     if not pending:
         return None
@@ -80,8 +81,8 @@ def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | 
     try:
         results = publish([item for item, _ in pending], Registry.parse(registry), dry_run=dry_run, log=_say)
     except PublishError as exc:
-        failed = getattr(exc, "failed", None)
-        moved = {r.variant_id: r for r in getattr(exc, "published", [])}
+        failed = exc.failed
+        moved = {r.variant_id: r for r in exc.published}
         for item, row in pending:
             if item.variant_id in moved:
                 row.published, row.digest = True, moved[item.variant_id].digest

@@ -4,8 +4,6 @@ JSON, every input named in the stage keys.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import shlex
 from dataclasses import dataclass
 from functools import cache
@@ -17,6 +15,7 @@ import yaml
 
 from . import __version__
 from .errors import ConfigError
+from .hashing import dump_json, sha256_text, tree_digest
 from .matrix import Matrix
 from .plan import Variant
 
@@ -29,27 +28,6 @@ RUNTIME_PACKAGE = Path(__file__).parent / "runtime"
 @cache
 def defaults() -> dict:
     return yaml.safe_load(resources.files("builder").joinpath("data", "defaults.yaml").read_text("utf-8"))
-
-
-def tree_digest(root: Path, pattern: str = "**/*") -> str:
-    """sha256 over relative paths and contents, in sorted order (a context digest); dotfiles skipped."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.glob(pattern)
-                       if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
-
-
-def sha256_text(*parts: str) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part.encode() + b"\0")
-    return digest.hexdigest()
-
-
-def dump_json(data) -> str:
-    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def _environment(templates: Path) -> jinja2.Environment:

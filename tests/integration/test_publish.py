@@ -1,4 +1,4 @@
-"""builder.publish against the real Docker daemon and a real authenticated registry.
+"""builder.registry (publishing) against the real Docker daemon and a real authenticated registry.
 
 Nothing is pulled: the two images are `docker import`s of one-file tars. Each test gets its own
 LocalRegistry (tmp dir, free port, user/password) and its own DOCKER_CONFIG directory.
@@ -22,19 +22,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from builder import publish as publish_mod
 from builder.dockerclient import DockerCli, find_docker, run_docker
 from builder.errors import ConfigError, EnvironmentProblem, PublishError
 from builder.localregistry import LocalRegistry, docker_login
-from builder.publish import (
-    Credentials,
-    PublishItem,
-    Registry,
-    RegistryApi,
-    classify_push_output,
-    docker_push,
-    publish,
-)
+from builder.registry import api as api_mod
+from builder.registry import push as push_mod
+from builder.registry.api import ACCEPT, MANIFEST_TYPES, RegistryApi
+from builder.registry.credentials import Credentials, docker_config_dir, load_credentials
+from builder.registry.phases import PublishItem, publish
+from builder.registry.push import classify_push_output, docker_push
+from builder.registry.reference import Registry
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +102,7 @@ class Api:
 
     def digest(self, repo: str, tag: str) -> str | None:
         r = self.s.get(f"{self.base}/v2/{repo}/manifests/{tag}", timeout=10,
-                       headers={"Accept": publish_mod.ACCEPT})
+                       headers={"Accept": ACCEPT})
         if r.status_code == 404:
             return None
         r.raise_for_status()
@@ -231,7 +228,7 @@ def _fake_docker(tmp_path: Path, script: str) -> DockerCli:
 
 
 def test_docker_push_retries_transient_errors_at_most_twice(tmp_path, monkeypatch):
-    monkeypatch.setattr(publish_mod, "PUSH_RETRY_WAIT_S", 0.0)
+    monkeypatch.setattr(push_mod, "PUSH_RETRY_WAIT_S", 0.0)
     counter = tmp_path / "count"
     digest = "sha256:" + "c" * 64
     flaky = _fake_docker(tmp_path, f"""echo x >> {counter}
@@ -424,7 +421,7 @@ class _FakeTokenRegistry(BaseHTTPRequestHandler):
             if st["fail_next"]:
                 st["fail_next"] -= 1
                 return self._send(503)
-            return self._send(200, st["manifest"], {"Content-Type": publish_mod.MANIFEST_TYPES[3],
+            return self._send(200, st["manifest"], {"Content-Type": MANIFEST_TYPES[3],
                                                     "Docker-Content-Digest": st["digest"]})
         if self.path.startswith("/v2/team/tiny/blobs/"):
             digest = self.path.rsplit("/", 1)[1]
@@ -436,9 +433,9 @@ class _FakeTokenRegistry(BaseHTTPRequestHandler):
 
 
 def test_bearer_token_flow_and_http_retries(monkeypatch):
-    monkeypatch.setattr(publish_mod, "HTTP_WAIT_MULTIPLIER_S", 0.01)
+    monkeypatch.setattr(api_mod, "HTTP_WAIT_MULTIPLIER_S", 0.01)
     cfg, layer = "sha256:" + "1" * 64, "sha256:" + "2" * 64
-    manifest = json.dumps({"schemaVersion": 2, "mediaType": publish_mod.MANIFEST_TYPES[3],
+    manifest = json.dumps({"schemaVersion": 2, "mediaType": MANIFEST_TYPES[3],
                            "config": {"mediaType": "x", "size": 10, "digest": cfg},
                            "layers": [{"mediaType": "y", "size": 20, "digest": layer}]}).encode()
     digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
@@ -477,8 +474,8 @@ def test_credentials_come_from_docker_config_env(monkeypatch, tmp_path):
     (cfg / "config.json").write_text(json.dumps({"auths": {"https://reg.example.com:5000": {"auth": auth}}}))
     monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
     reg = Registry.parse("reg.example.com:5000")
-    creds = publish_mod.load_credentials(reg, publish_mod.docker_config_dir())
+    creds = load_credentials(reg, docker_config_dir())
     assert creds is not None and (creds.username, creds.password) == ("alice", "pw:with:colons")
     assert "pw:with" not in repr(creds)
-    assert publish_mod.load_credentials(Registry.parse("other.example.com"), cfg) is None
+    assert load_credentials(Registry.parse("other.example.com"), cfg) is None
     assert os.environ["DOCKER_CONFIG"] == str(cfg)

@@ -1,4 +1,4 @@
-"""builder.publish's release phases against a fake docker CLI and an in-memory registry (no Docker, no HTTP).
+"""builder.registry.phases: the release phases against a fake docker CLI and an in-memory registry (no Docker, no HTTP).
 
 The order is the contract: every long (immutable) tag is checked (phase 0), pushed and verified
 (phase 1) before any short (moving) tag moves (phase 2); a failure before phase 2 moves no short tag.
@@ -12,10 +12,13 @@ import subprocess
 
 import pytest
 
-from builder import publish as pub
 from builder.dockerclient import DockerCli
 from builder.errors import PublishError
-from builder.publish import Credentials, Manifest, PublishItem, PublishResult, Registry
+from builder.registry import phases, push
+from builder.registry.api import Manifest
+from builder.registry.credentials import Credentials
+from builder.registry.phases import PublishItem, PublishResult, Refs
+from builder.registry.reference import Registry
 
 HOST = "127.0.0.1:5000"
 REGISTRY = Registry.parse(f"{HOST}/team")  # the namespace replaces the planned "mopt"
@@ -166,10 +169,10 @@ class World:
         self.docker = FakeDocker(self.registry, self.events)
         self.api_args: list = []
         self.log: list[str] = []
-        monkeypatch.setattr(pub, "run_docker", self.docker)
-        monkeypatch.setattr(pub, "RegistryApi", self._api)
-        monkeypatch.setattr(pub, "find_docker", self._no_docker_lookup)
-        monkeypatch.setattr(pub, "PUSH_RETRY_WAIT_S", 0.0)
+        monkeypatch.setattr(push, "run_docker", self.docker)
+        monkeypatch.setattr(phases, "RegistryApi", self._api)
+        monkeypatch.setattr(phases, "find_docker", self._no_docker_lookup)
+        monkeypatch.setattr(push, "PUSH_RETRY_WAIT_S", 0.0)
 
     def _api(self, registry, credentials, *, config_dir=None, scheme=None):
         self.api_args.append((registry, credentials, config_dir, scheme))
@@ -187,7 +190,7 @@ class World:
 
     def publish(self, items, tmp_path, **kw) -> list[PublishResult]:
         kw.setdefault("docker", CLI)
-        return pub.publish(items, REGISTRY, docker_config=str(tmp_path), log=self.log.append, **kw)
+        return phases.publish(items, REGISTRY, docker_config=str(tmp_path), log=self.log.append, **kw)
 
     def moves(self) -> list[tuple]:
         return [e for e in self.events if e[0] in ("push", "verify", "tag")]
@@ -323,7 +326,7 @@ def test_a_local_tag_that_cannot_be_removed_is_a_warning(world, tmp_path, monkey
             return subprocess.CompletedProcess(args, 1, "", "Error response from daemon: conflict: image is in use\n")
         return fake(args, **kw)
 
-    monkeypatch.setattr(pub, "run_docker", docker)
+    monkeypatch.setattr(push, "run_docker", docker)
     [result] = world.publish([a], tmp_path)
     assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
     assert world.log[-1] == (f"  warning: could not remove local tag {_long('minilm-embed')}: Error response from "
@@ -497,7 +500,7 @@ def test_without_credentials_nothing_is_redacted(world, tmp_path):
 
 
 def test_the_docker_cli_is_looked_up_only_when_none_is_given(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(pub, "find_docker", lambda: CLI)
+    monkeypatch.setattr(phases, "find_docker", lambda: CLI)
     [result] = world.publish([world.item("minilm-embed")], tmp_path, docker=None)
     assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
 
@@ -525,24 +528,24 @@ def test_a_short_image_id_must_resolve_to_the_smoke_tested_image(world):
     full = world.docker.add_image("mopt/minilm-embed:cpu")
     item = PublishItem("minilm-embed:cpu", full[:19], "mopt/minilm-embed", "1.0.0", "1.0")
     with pytest.raises(PublishError) as caught:
-        pub._local(CLI, item)
+        phases.local_image(CLI, item)
     assert caught.value.message == f"{full[:19]} resolves to image {full}, not the smoke-tested one"
 
 
 def test_a_local_image_named_by_reference_is_used_as_it_resolves(world):
     full = world.docker.add_image("mopt/minilm-embed:cpu")
     item = PublishItem("minilm-embed:cpu", "mopt/minilm-embed:cpu", "mopt/minilm-embed", "1.0.0", "1.0")
-    assert pub._local(CLI, item) == pub._LocalImage(full, ())
-    assert pub._local(CLI, PublishItem("x", full, "mopt/x", "1", "2")).id == full
+    assert phases.local_image(CLI, item) == push.LocalImage(full, ())
+    assert phases.local_image(CLI, PublishItem("x", full, "mopt/x", "1", "2")).id == full
 
 
 def test_refs_use_the_registry_namespace():
     item = PublishItem("minilm-embed:cpu", _sha("x"), "mopt/minilm-embed", "1.0.0-cpu-abc123", "1.0-cpu")
-    assert pub._refs(item, REGISTRY) == ("team/minilm-embed", f"{HOST}/team/minilm-embed", _long("minilm-embed"),
-                                         _short("minilm-embed"))
-    assert pub._refs(item, Registry.parse(HOST)) == ("mopt/minilm-embed", f"{HOST}/mopt/minilm-embed",
-                                                     f"{HOST}/mopt/minilm-embed:1.0.0-cpu-abc123",
-                                                     f"{HOST}/mopt/minilm-embed:1.0-cpu")
+    assert phases.refs(item, REGISTRY) == Refs("team/minilm-embed", f"{HOST}/team/minilm-embed",
+                                              _long("minilm-embed"), _short("minilm-embed"))
+    assert phases.refs(item, Registry.parse(HOST)) == Refs("mopt/minilm-embed", f"{HOST}/mopt/minilm-embed",
+                                                          f"{HOST}/mopt/minilm-embed:1.0.0-cpu-abc123",
+                                                          f"{HOST}/mopt/minilm-embed:1.0-cpu")
 
 
 # --------------------------------------------------------------------------- _fail's notes
@@ -560,7 +563,7 @@ DONE = PublishResult("minilm-embed:cpu", ("r:1.0.0", "r:1.0"), _sha("m"), False)
 ])
 def test_fail_prefixes_the_variant_and_notes_what_moved(published, long_verified, phase, note):
     exc = PublishError("boom")
-    out = pub._fail(exc, ITEM, published, long_verified, phase)
+    out = phases.fail(exc, ITEM, published, long_verified, phase)
     assert out is exc
     assert exc.message == "qwen3-embed:cpu: boom" + note
     assert str(exc) == exc.message and exc.args == (exc.message,)

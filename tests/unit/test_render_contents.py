@@ -16,9 +16,10 @@ import pytest
 import builder
 from builder import render as render_mod
 from builder.errors import ConfigError
+from builder.hashing import dump_json, sha256_text, tree_digest
 from builder.matrix import load_matrix
 from builder.plan import make_plan
-from builder.render import dump_json, render, render_variant, sha256_text, tree_digest
+from builder.render import render, render_variant
 
 REPO = Path(__file__).resolve().parent.parent.parent
 DIGEST = "0" * 64

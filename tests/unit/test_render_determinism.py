@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.render import tree_digest
+from builder.hashing import tree_digest
 
 REPO = Path(__file__).resolve().parent.parent.parent
 

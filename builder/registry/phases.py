@@ -1,0 +1,269 @@
+"""Publish smoke-tested images as one release: every immutable long tag first, verified, then the short tags.
+
+0. plan: for every item, ask the registry (HTTP API) what its long tag points at now. A long tag that
+   already points at another image refuses the whole release before anything is pushed (long tags are
+   immutable). The same image is recognised by the local image's RepoDigest for that repository, or a
+   manifest whose config digest is the local image id. The dry run and the real run share this plan;
+   the dry run stops after logging what each phase would do.
+1. for every item: tag the local image and `docker push` the long ref (or skip it when the registry
+   already holds this image there), then verify it: the manifest digest is the pushed one (header and
+   body hash) and every blob and child manifest it references is present.
+2. only once EVERY long tag of the release is verified, move each short tag (unless it already points
+   at that digest) and verify it the same way.
+3. remove the registry-prefixed local tags this run created (the image itself is kept).
+
+A failure in phases 0-1 leaves every short tag where it was, so users pulling a short tag never see
+half a release; a re-run skips the long tags already verified.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..dockerclient import DockerCli, find_docker
+from ..errors import PublishError
+from .api import Manifest, RegistryApi, config_digests
+from .credentials import docker_config_dir, load_credentials
+from .push import LocalImage, LocalTags, docker_push, inspect_image, local_tags
+from .reference import Registry
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PublishItem:
+    variant_id: str  # e.g. "minilm-embed:cpu"
+    image_id: str  # local image id (sha256:...) that passed its smoke test
+    repository: str  # e.g. "mopt/minilm-embed" (namespace/image as planned)
+    long_tag: str  # immutable tag, pushed first
+    short_tag: str  # moving tag, pushed only after the long tag is verified
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    variant_id: str
+    references: tuple[str, ...]  # pushed refs, long first
+    digest: str  # manifest digest verified in the registry
+    skipped: bool  # True when the registry already had this exact image at the long tag
+
+
+@dataclass(frozen=True)
+class Refs:
+    repo: str  # path in the registry, e.g. team/minilm-embed
+    name: str  # host/repo, how RepoDigests name it
+    long: str  # host/repo:long_tag
+    short: str  # host/repo:short_tag
+
+
+@dataclass(frozen=True)
+class PlannedItem:
+    """Phase 0's view of one item: its local image and what its long tag holds in the registry now."""
+
+    item: PublishItem
+    refs: Refs
+    local: LocalImage | None  # None when the item could not be checked (then error says why)
+    remote_long: Manifest | None  # the long tag's manifest now; None when the tag is free
+    same_image: bool  # the long tag already holds this image (skip its push)
+    error: PublishError | None  # why this item cannot be published, found before anything is pushed
+
+
+def refs(item: PublishItem, registry: Registry) -> Refs:
+    repo = registry.repository_path(item.repository)
+    return Refs(repo=repo, name=f"{registry.host}/{repo}", long=registry.reference(item.repository, item.long_tag),
+                short=registry.reference(item.repository, item.short_tag))
+
+
+def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: str | None = None,
+            dry_run: bool = False, log: Log = print, docker: DockerCli | None = None) -> list[PublishResult]:
+    """Publish a release in phases (see the module doc). Raises PublishError (exit 6) at the first failure;
+    its `failed` names the variant, `published` the results whose short tag moved (empty when phase 1
+    failed), `long_verified` the long tags in the registry and verified, which a re-run skips.
+    `dry_run` changes nothing, logs what would move (long tags first, then short tags), and raises at the
+    end if the real run would be refused."""
+    items = list(items)
+    seen: dict[tuple[str, str], str] = {}
+    for item in items:
+        for tag in (item.long_tag, item.short_tag):
+            key = (registry.repository_path(item.repository), tag)
+            if key in seen and seen[key] != item.variant_id:
+                raise PublishError(f"{item.variant_id} and {seen[key]} would both publish {key[0]}:{tag}")
+            seen[key] = item.variant_id
+    config_dir = docker_config_dir(docker_config)
+    creds = load_credentials(registry, config_dir)
+    api = RegistryApi(registry, creds, config_dir=config_dir)
+    secrets = creds.secrets if creds else []
+    cli = docker or find_docker()
+    try:
+        planned = plan(items, registry, api, cli)
+        if dry_run:
+            return _dry_run(planned, api, log)
+        return _publish(planned, registry, api, cli, config_dir, secrets, log)
+    finally:
+        api.close()
+
+
+def plan(items: list[PublishItem], registry: Registry, api: RegistryApi, cli: DockerCli) -> list[PlannedItem]:
+    """Phase 0 for every item, nothing changed: the local image and what its long tag holds now."""
+    planned = []
+    for item in items:
+        item_refs = refs(item, registry)
+        local = remote = None
+        same, error = False, None
+        try:
+            local = local_image(cli, item)
+            remote = api.manifest(item_refs.repo, item.long_tag)
+            if remote is not None:
+                same = same_image(api, item_refs.repo, remote, local, item_refs.name)
+                if not same:
+                    error = immutable_refusal(item_refs.long, remote, local)
+        except PublishError as exc:  # the item cannot be checked: nothing about it is known
+            local, remote, error = None, None, exc
+        planned.append(PlannedItem(item=item, refs=item_refs, local=local, remote_long=remote, same_image=same,
+                                   error=error))
+    return planned
+
+
+def same_image(api: RegistryApi, repo: str, remote: Manifest, local: LocalImage, name: str) -> bool:
+    """Whether the registry's manifest is the local image: a RepoDigest match, else the same config."""
+    if remote.digest in local.digests_for(name):
+        return True
+    return local.id in config_digests(api, repo, remote)
+
+
+def local_image(cli: DockerCli, item: PublishItem) -> LocalImage:
+    local = inspect_image(cli, item.image_id)
+    if local is None:
+        raise PublishError(f"local image {item.image_id} not found (was it removed after its smoke test?)")
+    if item.image_id.startswith("sha256:") and local.id != item.image_id:
+        raise PublishError(f"{item.image_id} resolves to image {local.id}, not the smoke-tested one")
+    return local
+
+
+def immutable_refusal(long_ref: str, remote: Manifest, local: LocalImage) -> PublishError:
+    return PublishError(
+        f"{long_ref} already points at {remote.digest} in the registry, which is not local image {local.id}; "
+        "long tags are immutable and will not be moved (bump the version, or delete the tag from the registry "
+        "deliberately)")
+
+
+def fail(exc: PublishError, item: PublishItem, published: list[PublishResult], long_verified: list[str],
+         phase: str) -> PublishError:
+    """The release's error: the variant that failed and what the failure left moved or verified."""
+    note = ""
+    if phase == "long":
+        note = "\n(no short tag was moved"
+        note += f"; verified long tags a re-run will skip: {', '.join(long_verified)})" if long_verified else ")"
+    elif published:
+        note = f"\n(short tags already moved: {', '.join(r.variant_id for r in published)})"
+    exc.message = f"{item.variant_id}: {exc.message}{note}"
+    exc.args = (exc.message,)
+    exc.failed = item.variant_id
+    exc.published = list(published)
+    exc.long_verified = list(long_verified)
+    return exc
+
+
+def _dry_run(planned: list[PlannedItem], api: RegistryApi, log: Log) -> list[PublishResult]:
+    problems: list[str] = []
+    log("[dry-run] phase 1: immutable long tags (pushed and verified first)")
+    for p in planned:
+        if p.local is None:
+            problems.append(f"{p.item.variant_id}: {p.error}")
+            log(f"  {p.item.variant_id}: cannot check: {p.error}")
+        elif p.remote_long is None:
+            log(f"[dry-run] {p.refs.long} -> {p.local.id} (registry: no such tag) : would push")
+        elif p.same_image:
+            log(f"[dry-run] {p.refs.long} -> {p.local.id} (registry: {p.remote_long.digest}, same image) : "
+                "would skip")
+        else:
+            problems.append(f"{p.item.variant_id}: {p.refs.long} already points at {p.remote_long.digest}, a "
+                            f"different image than {p.local.id}; long tags are immutable")
+            log(f"[dry-run] {p.refs.long} -> {p.local.id} (registry: {p.remote_long.digest}, DIFFERENT image) : "
+                "would REFUSE")
+    log("[dry-run] phase 2: moving short tags (only after every long tag above is verified)")
+    results: list[PublishResult] = []
+    for p in planned:
+        moving = [p.refs.long] if p.local is not None and p.remote_long is None else []
+        digest = p.remote_long.digest if p.remote_long else ""
+        try:
+            remote_short = api.manifest(p.refs.repo, p.item.short_tag)
+        except PublishError as exc:
+            problems.append(f"{p.item.variant_id}: {exc}")
+            log(f"  {p.item.variant_id}: cannot check: {exc}")
+            continue
+        short_now = remote_short.digest if remote_short else "no such tag"
+        target = p.local.id if p.local else p.item.image_id
+        if p.error is not None or problems:
+            log(f"[dry-run] {p.refs.short} -> {target} (registry: {short_now}) : would not move")
+        elif p.same_image and remote_short is not None and remote_short.digest == digest:
+            log(f"[dry-run] {p.refs.short} -> {target} (registry: {short_now}) : already there")
+        else:
+            log(f"[dry-run] {p.refs.short} -> {target} (registry: {short_now}) : would push")
+            moving.append(p.refs.short)
+        results.append(PublishResult(p.item.variant_id, tuple(moving), digest, p.same_image))
+    if problems:
+        raise PublishError("dry run: the publish would fail:\n  " + "\n  ".join(problems))
+    return results
+
+
+def _publish(planned: list[PlannedItem], registry: Registry, api: RegistryApi, cli: DockerCli,
+             config_dir: Path, secrets: list[str], log: Log) -> list[PublishResult]:
+    refused = next((p for p in planned if p.error is not None), None)
+    if refused is not None:  # phase 0: refuse before pushing anything
+        raise fail(refused.error, refused.item, [], [], "long") from None
+    verified: list[tuple[PlannedItem, str, bool, list[str]]] = []
+    with local_tags(cli, log) as tags:
+        for p in planned:  # phase 1: push and verify every long (immutable) tag
+            digest, skipped, pushed = _long_tag(p, api, tags, cli, config_dir, secrets, log, verified, registry)
+            verified.append((p, digest, skipped, pushed))
+        log(f"all {len(verified)} long tags verified; moving the short tags")
+        results: list[PublishResult] = []
+        for p, digest, skipped, pushed in verified:  # phase 2: only now move the short (moving) tags
+            try:
+                _short_tag(p, digest, api, tags, cli, config_dir, secrets, log, pushed)
+            except PublishError as exc:
+                raise fail(exc, p.item, results, [], "short") from None
+            log(f"  verified {p.refs.short} = {digest}")
+            results.append(PublishResult(p.item.variant_id, tuple(pushed), digest, skipped))
+    return results
+
+
+def _long_tag(p: PlannedItem, api: RegistryApi, tags: LocalTags, cli: DockerCli, config_dir: Path,
+              secrets: list[str], log: Log, verified: list, registry: Registry) -> tuple[str, bool, list[str]]:
+    log(f"publish {p.item.variant_id}: {p.local.id} -> {p.refs.long}")
+    pushed: list[str] = []
+    try:
+        remote = api.manifest(p.refs.repo, p.item.long_tag)  # again: another publisher may have raced us
+        if remote is None:
+            tags.tag(p.local.id, p.refs.long)
+            digest = docker_push(cli, p.refs.long, config_dir, log=log, redact=secrets, auth_retries=1)
+            pushed.append(p.refs.long)
+            skipped = False
+        elif same_image(api, p.refs.repo, remote, p.local, p.refs.name):
+            digest, skipped = remote.digest, True
+            log(f"  {p.refs.long} already points at {digest} (this image): not pushed again")
+        else:
+            raise immutable_refusal(p.refs.long, remote, p.local)
+        api.verify(p.refs.repo, p.item.long_tag, digest)
+    except PublishError as exc:
+        done = [registry.reference(v[0].item.repository, v[0].item.long_tag) for v in verified]
+        raise fail(exc, p.item, [], done, "long") from None
+    log(f"  verified {p.refs.long} = {digest} (manifest and all blobs present)")
+    return digest, skipped, pushed
+
+
+def _short_tag(p: PlannedItem, digest: str, api: RegistryApi, tags: LocalTags, cli: DockerCli, config_dir: Path,
+               secrets: list[str], log: Log, pushed: list[str]) -> None:
+    remote = api.manifest(p.refs.repo, p.item.short_tag)
+    if remote is not None and remote.digest == digest:
+        log(f"  {p.refs.short} already points at {digest}")
+    else:
+        was = remote.digest if remote else "absent"
+        tags.tag(p.local.id, p.refs.short)
+        short_digest = docker_push(cli, p.refs.short, config_dir, log=log, redact=secrets, auth_retries=1)
+        pushed.append(p.refs.short)
+        if short_digest != digest:
+            raise PublishError(f"{p.refs.short} was pushed as {short_digest}, but the verified long tag is {digest}")
+        log(f"  moved {p.refs.short}: {was} -> {digest}")
+    api.verify(p.refs.repo, p.item.short_tag, digest)
