@@ -594,8 +594,13 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
         else:
             ctx.warn(f"UNCONFIRMED: torch {torch} CUDA {mm} build: {row.get('note', 'variants unconfirmed')} "
                      f"(known: {', '.join(built)}) {src}.")
-    if not sm:
-        return
+    if sm:
+        _check_torch_arch(ctx, torch, mm, sm, soft)
+
+
+def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> None:
+    """Whether torch's cuXY wheels carry kernels (or PTX) for sm, by the arch lists of its builds."""
+    kb = ctx.kb
     smn = _sm_num(sm)
     for al in kb.rows("torch", "arch_lists"):
         if mm not in al["cuda"] or not in_any(torch, al["torch"]):
