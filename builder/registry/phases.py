@@ -108,17 +108,13 @@ def plan(items: list[PublishItem], registry: Registry, api: RegistryApi, cli: Do
     planned = []
     for item in items:
         item_refs = refs(item, registry)
-        local = remote = None
-        same, error = False, None
         try:
             local = local_image(cli, item)
             remote = api.manifest(item_refs.repo, item.long_tag)
-            if remote is not None:
-                same = same_image(api, item_refs.repo, remote, local, item_refs.name)
-                if not same:
-                    error = immutable_refusal(item_refs.long, remote, local)
+            same = remote is not None and same_image(api, item_refs.repo, remote, local, item_refs.name)
+            error = immutable_refusal(item_refs.long, remote, local) if remote is not None and not same else None
         except PublishError as exc:  # the item cannot be checked: nothing about it is known
-            local, remote, error = None, None, exc
+            local, remote, same, error = None, None, False, exc
         planned.append(PlannedItem(item=item, refs=item_refs, local=local, remote_long=remote, same_image=same,
                                    error=error))
     return planned
@@ -147,11 +143,11 @@ def immutable_refusal(long_ref: str, remote: Manifest, local: LocalImage) -> Pub
         "deliberately)")
 
 
-def fail(exc: PublishError, item: PublishItem, published: list[PublishResult], long_verified: list[str],
-         phase: str) -> PublishError:
+def fail(exc: PublishError, item: PublishItem, published: list[PublishResult], long_verified: list[str], *,
+         moving_short_tags: bool) -> PublishError:
     """The release's error: the variant that failed and what the failure left moved or verified."""
     note = ""
-    if phase == "long":
+    if not moving_short_tags:
         note = "\n(no short tag was moved"
         note += f"; verified long tags a re-run will skip: {', '.join(long_verified)})" if long_verified else ")"
     elif published:
@@ -211,7 +207,7 @@ def _publish(planned: list[PlannedItem], registry: Registry, api: RegistryApi, c
              config_dir: Path, secrets: list[str], log: Log) -> list[PublishResult]:
     refused = next((p for p in planned if p.error is not None), None)
     if refused is not None:  # phase 0: refuse before pushing anything
-        raise fail(refused.error, refused.item, [], [], "long") from None
+        raise fail(refused.error, refused.item, [], [], moving_short_tags=False) from None
     verified: list[tuple[PlannedItem, str, bool, list[str]]] = []
     with local_tags(cli, log) as tags:
         for p in planned:  # phase 1: push and verify every long (immutable) tag
@@ -223,7 +219,7 @@ def _publish(planned: list[PlannedItem], registry: Registry, api: RegistryApi, c
             try:
                 _short_tag(p, digest, api, tags, cli, config_dir, secrets, log, pushed)
             except PublishError as exc:
-                raise fail(exc, p.item, results, [], "short") from None
+                raise fail(exc, p.item, results, [], moving_short_tags=True) from None
             log(f"  verified {p.refs.short} = {digest}")
             results.append(PublishResult(p.item.variant_id, tuple(pushed), digest, skipped))
     return results
@@ -248,7 +244,7 @@ def _long_tag(p: PlannedItem, api: RegistryApi, tags: LocalTags, cli: DockerCli,
         api.verify(p.refs.repo, p.item.long_tag, digest)
     except PublishError as exc:
         done = [registry.reference(v[0].item.repository, v[0].item.long_tag) for v in verified]
-        raise fail(exc, p.item, [], done, "long") from None
+        raise fail(exc, p.item, [], done, moving_short_tags=False) from None
     log(f"  verified {p.refs.long} = {digest} (manifest and all blobs present)")
     return digest, skipped, pushed
 

@@ -512,6 +512,26 @@ def test_the_api_is_closed_when_the_release_fails(world, tmp_path):
     assert world.registry.closed
 
 
+# --------------------------------------------------------------------------- phase 0, the shared plan
+def test_the_plan_says_what_each_long_tag_holds_and_changes_nothing(world):
+    fresh, held, other, gone = (world.item("minilm-embed"), world.item("qwen3-embed"), world.item("chat"),
+                                world.item("lost", image_id=_sha("removed after its smoke test")))
+    world.registry.put("team/qwen3-embed", "1.0.0-cpu-abc123", world.docker.body(held.image_id))
+    taken = _other_image(world, "team/chat", "1.0.0-cpu-abc123")
+    before = list(world.events)
+    planned = phases.plan([fresh, held, other, gone], REGISTRY, world.registry, CLI)
+    assert [e for e in world.events[len(before):] if e[0] in ("push", "tag")] == []
+    by_id = {p.item.variant_id: p for p in planned}
+    assert (by_id["minilm-embed:cpu"].remote_long, by_id["minilm-embed:cpu"].same_image,
+            by_id["minilm-embed:cpu"].error) == (None, False, None)
+    assert by_id["qwen3-embed:cpu"].same_image and by_id["qwen3-embed:cpu"].error is None
+    assert by_id["chat:cpu"].remote_long.digest == taken and not by_id["chat:cpu"].same_image
+    assert "long tags are immutable" in by_id["chat:cpu"].error.message
+    lost = by_id["lost:cpu"]  # could not be checked: nothing about it is known
+    assert (lost.local, lost.remote_long, lost.same_image) == (None, None, False)
+    assert "not found" in lost.error.message
+
+
 # --------------------------------------------------------------------------- the local image
 def test_a_missing_local_image_fails_before_any_push(world, tmp_path):
     a = world.item("minilm-embed")
@@ -563,7 +583,7 @@ DONE = PublishResult("minilm-embed:cpu", ("r:1.0.0", "r:1.0"), _sha("m"), False)
 ])
 def test_fail_prefixes_the_variant_and_notes_what_moved(published, long_verified, phase, note):
     exc = PublishError("boom")
-    out = phases.fail(exc, ITEM, published, long_verified, phase)
+    out = phases.fail(exc, ITEM, published, long_verified, moving_short_tags=phase == "short")
     assert out is exc
     assert exc.message == "qwen3-embed:cpu: boom" + note
     assert str(exc) == exc.message and exc.args == (exc.message,)
