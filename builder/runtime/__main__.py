@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")
+    c.add_argument("--min-cosine", type=float, default=None,
+                   help="refuse (exit 4) an engine whose cosine vs the reference is lower (default 0.99; "
+                        "needs --verify)")
     t = c.add_argument_group("tensorrt", "optimisation profile and builder options (--backend tensorrt)")
     t.add_argument("--trt-min-batch", type=int, default=1)
     t.add_argument("--trt-opt-batch", type=int, default=0, help="0: --max-batch")
@@ -94,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_compile(a) -> dict:
-    from .compiler import compile_engine
+    from .compiler import DEFAULT_MIN_COSINE, compile_engine
     from .params import EngineParams
 
     image = _load_json_arg("--image-info", a.image_info, dict)
@@ -108,8 +111,11 @@ def cmd_compile(a) -> dict:
                           attention=a.attention,
                           model_name=a.model_name or (image or {}).get("repository") or model.resolve().name,
                           **{k: getattr(a, k) for k in vars(a) if k.startswith("trt_")})
+    min_cosine = DEFAULT_MIN_COSINE if a.min_cosine is None else a.min_cosine
+    if not -1.0 <= min_cosine <= 1.0:
+        raise UsageError(f"--min-cosine must be in -1..1, got {a.min_cosine}")
     return compile_engine(model, a.out, params, target_sm=a.target_sm, image=image,
-                          reference_texts=texts, verify=a.verify)
+                          reference_texts=texts, verify=a.verify, min_cosine=min_cosine)
 
 
 def cmd_check(a) -> dict:

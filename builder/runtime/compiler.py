@@ -19,6 +19,9 @@ from .params import EngineParams
 from .tokenization import copy_tokenizer_files
 
 REFERENCE_JSON = "reference.json"
+# The lowest cosine vs the fp32 reference an engine may have and still be written (the recipe's
+# smoke.min_cosine reaches it as --min-cosine; the smoke test checks the served engine again).
+DEFAULT_MIN_COSINE = 0.99
 COMPILE_STATS = ".compile-stats.json"
 DEFAULT_TEXTS = (
     "What is the capital of France?",
@@ -47,7 +50,7 @@ def _check_inputs(model_dir: Path, params: EngineParams, target_sm: str | None, 
 def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EngineParams, *,
                    target_sm: str | None = None, image: dict | None = None,
                    reference_texts: list[str] | None = None, verify: bool = True,
-                   extra: dict | None = None) -> dict:
+                   min_cosine: float = DEFAULT_MIN_COSINE, extra: dict | None = None) -> dict:
     model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir)
     facts = host_facts()
     _check_inputs(model_dir, params, target_sm, facts)
@@ -94,7 +97,11 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
            "pooling": params.pooling, "normalize": params.normalize,
            "embeddings": backend.reference(str(model_dir), texts, params)}
     if verify:
-        ref["engine_min_cosine"] = _verify(out_dir, data, params, texts, ref["embeddings"])
+        ref["engine_min_cosine"] = got = _verify(out_dir, data, params, texts, ref["embeddings"])
+        if not got >= min_cosine:  # NaN too
+            shutil.rmtree(engine_dir, ignore_errors=True)  # no engine.json yet: nothing half-built stays
+            raise CompileError(f"the {params.backend} engine of {model_dir} reaches cosine {got} vs the fp32 "
+                               f"reference, below --min-cosine {min_cosine}: refused, no engine written")
     (out_dir / REFERENCE_JSON).write_text(json.dumps(ref) + "\n")
     # Timings vary run to run: kept beside the engine (a dotfile the image does not ship), not in
     # engine.json, so two compiles of the same inputs give the same engine dir.

@@ -13,5 +13,6 @@ exec python -m mopt_runtime compile \
   --max-seq-len 256 \
   --pooling mean \
   --normalize \
+  --min-cosine 0.99 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json

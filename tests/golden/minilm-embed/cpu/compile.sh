@@ -14,5 +14,6 @@ exec python -m mopt_runtime compile \
   --pooling mean \
   --normalize \
   --compile-mode default \
+  --min-cosine 0.99 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json

@@ -16,5 +16,6 @@ exec python -m mopt_runtime compile \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
   --compile-mode default \
   --attention causal \
+  --min-cosine 0.99 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json

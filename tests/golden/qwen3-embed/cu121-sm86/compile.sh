@@ -15,6 +15,7 @@ exec python -m mopt_runtime compile \
   --normalize \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
   --target-sm 86 \
+  --min-cosine 0.99 \
   --trt-min-batch 1 \
   --trt-opt-batch 16 \
   --trt-min-seq-len 2 \

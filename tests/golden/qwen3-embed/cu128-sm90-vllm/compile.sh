@@ -15,5 +15,6 @@ exec python -m mopt_runtime compile \
   --normalize \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
   --target-sm 90 \
+  --min-cosine 0.99 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json

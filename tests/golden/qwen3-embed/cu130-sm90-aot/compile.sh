@@ -17,5 +17,6 @@ exec python -m mopt_runtime compile \
   --target-sm 90 \
   --compile-mode default \
   --attention causal \
+  --min-cosine 0.99 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json

@@ -1,0 +1,203 @@
+"""The dynamic batcher with a fake engine: each request gets its own vectors back from a shared
+batch, gathering stops at max_batch or max_wait, an engine error fails one batch only, close()
+finishes queued work, and the queue depth is reported."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from builder.runtime.batcher import Batcher
+
+WAIT = 5  # seconds any future or event may take before the test fails (not slept)
+
+
+def vec(seq: list[int]) -> list[float]:
+    """A vector that names its sequence, so a request given another's vectors is seen."""
+    return [float(seq[0]), float(len(seq)), float(sum(seq))]
+
+
+class FakeEngine:
+    """embed_ids for the batcher: records every batch; the first call can be held until released."""
+
+    def __init__(self, hold_first: bool = False, fail_on: int | None = None):
+        self.calls: list[list[list[int]]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
+        self.fail_on = fail_on
+
+    def __call__(self, seqs):
+        self.calls.append([list(s) for s in seqs])
+        self.entered.set()
+        assert self.release.wait(WAIT)
+        if any(self.fail_on in s for s in seqs):
+            raise ValueError(f"bad token {self.fail_on}")
+        return [vec(s) for s in seqs]
+
+
+class Recorder:
+    def __init__(self):
+        self.depths: list[int] = []
+        self.batches: list[int] = []
+
+    def set_queue_depth(self, n: int) -> None:
+        self.depths.append(n)
+
+    def batch_done(self, size: int) -> None:
+        self.batches.append(size)
+
+
+@pytest.fixture
+def make():
+    made = []
+
+    def factory(engine, max_batch, max_wait_ms, metrics=None) -> Batcher:
+        batcher = Batcher(engine, max_batch, max_wait_ms, metrics)
+        made.append(batcher)
+        return batcher
+
+    yield factory
+    for batcher in made:
+        batcher.close(timeout=WAIT)
+
+
+def busy(batcher: Batcher, engine: FakeEngine, size: int):
+    """Occupy the worker with a full batch so the next requests queue up behind it."""
+    blocker = batcher.submit([[1000 + i] for i in range(size)])
+    assert engine.entered.wait(WAIT)
+    return blocker
+
+
+def test_queued_requests_share_one_batch_and_get_their_own_vectors(make):
+    engine, metrics = FakeEngine(hold_first=True), Recorder()
+    batcher = make(engine, max_batch=4, max_wait_ms=5000, metrics=metrics)
+    blocker = busy(batcher, engine, 4)
+    requests = [[[1, 2]], [[3], [4, 5, 6]], [[7, 8, 9, 10]]]
+    futures = [batcher.submit(seqs) for seqs in requests]
+    engine.release.set()
+    assert blocker.result(WAIT) == [vec([1000 + i]) for i in range(4)]
+    for seqs, fut in zip(requests, futures, strict=True):
+        assert fut.result(WAIT) == [vec(s) for s in seqs]
+    assert engine.calls[1] == [[1, 2], [3], [4, 5, 6], [7, 8, 9, 10]]  # one engine call, in arrival order
+    assert len(engine.calls) == 2
+    assert metrics.depths == [4, 0, 1, 3, 4, 0]  # queued inputs, not requests
+    assert metrics.batches == [4, 4]
+
+
+def test_concurrent_submits_each_get_their_own_vectors(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=15, max_wait_ms=5000)
+    blocker = busy(batcher, engine, 15)
+    requests = [[[10 * i + j] * (1 + j) for j in range(1 + i % 3)] for i in range(8)]  # 15 inputs
+    with ThreadPoolExecutor(8) as pool:
+        futures = list(pool.map(batcher.submit, requests))
+    engine.release.set()
+    blocker.result(WAIT)
+    for seqs, fut in zip(requests, futures, strict=True):
+        assert fut.result(WAIT) == [vec(s) for s in seqs]
+    # All 15 inputs waited behind the blocker: one full batch, no wait.
+    assert len(engine.calls) == 2 and len(engine.calls[1]) == 15
+
+
+def test_gathering_stops_at_max_batch(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=2, max_wait_ms=100)
+    busy(batcher, engine, 2)
+    futures = [batcher.submit([[i]]) for i in (1, 2, 3)]
+    engine.release.set()
+    assert [f.result(WAIT) for f in futures] == [[vec([1])], [vec([2])], [vec([3])]]
+    assert engine.calls[1:] == [[[1], [2]], [[3]]]
+
+
+def test_a_request_larger_than_max_batch_is_one_batch(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=2, max_wait_ms=5000)
+    seqs = [[i] for i in range(5)]
+    assert batcher.submit(seqs).result(WAIT) == [vec(s) for s in seqs]
+    assert engine.calls == [seqs]
+
+
+def test_a_partial_batch_waits_max_wait_for_more(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=100, max_wait_ms=200)
+    started = time.monotonic()
+    first, second = batcher.submit([[1]]), batcher.submit([[2], [3]])
+    assert first.result(WAIT) == [vec([1])] and second.result(WAIT) == [vec([2]), vec([3])]
+    waited = time.monotonic() - started
+    assert 0.2 <= waited < 2, waited
+    assert engine.calls == [[[1], [2], [3]]]
+
+
+def test_an_engine_error_fails_only_its_batch(make):
+    engine, metrics = FakeEngine(hold_first=True, fail_on=-1), Recorder()
+    batcher = make(engine, max_batch=2, max_wait_ms=50, metrics=metrics)
+    busy(batcher, engine, 2)
+    bad, good_same_batch, good_next_batch = (batcher.submit([[-1]]), batcher.submit([[5]]),
+                                             batcher.submit([[6], [7]]))
+    engine.release.set()
+    for fut in (bad, good_same_batch):
+        with pytest.raises(ValueError, match="^bad token -1$"):
+            fut.result(WAIT)
+    assert good_next_batch.result(WAIT) == [vec([6]), vec([7])]
+    # The worker lives on.
+    assert batcher.submit([[8]]).result(WAIT) == [vec([8])]
+    assert engine.calls[1:] == [[[-1], [5]], [[6], [7]], [[8]]]
+    assert metrics.batches == [2, 2, 1]  # the failed batch is not counted as done
+    assert metrics.depths[-1] == 0
+
+
+def test_without_metrics(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=4, max_wait_ms=1)
+    assert batcher.submit([[1], [2]]).result(WAIT) == [vec([1]), vec([2])]
+
+
+def test_close_finishes_queued_work(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=5000)
+    blocker = busy(batcher, engine, 1)
+    queued = [batcher.submit([[i]]) for i in (1, 2)]
+    closer = threading.Thread(target=batcher.close, kwargs={"timeout": WAIT})
+    closer.start()
+    engine.release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive() and not batcher._thread.is_alive()
+    assert blocker.done() and [f.result(0) for f in queued] == [[vec([1])], [vec([2])]]
+
+
+def test_close_of_an_idle_batcher_is_prompt(make):
+    batcher = make(FakeEngine(), max_batch=4, max_wait_ms=5)
+    started = time.monotonic()
+    batcher.close(timeout=2)
+    assert not batcher._thread.is_alive()
+    assert time.monotonic() - started < 0.5  # the worker polls its queue at 0.1 s, not forever
+
+
+def test_worker_thread_does_not_keep_the_process_alive(make):
+    batcher = make(FakeEngine(), max_batch=4, max_wait_ms=5)
+    # A daemon thread: a server that exits without close() does not hang; the name shows in thread dumps.
+    assert batcher._thread.daemon is True and batcher._thread.name == "mopt-batcher"
+
+
+def test_the_worker_outlives_an_idle_spell(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=1, max_wait_ms=1)
+    time.sleep(0.25)  # a few of the worker's 0.1 s polls of an empty queue
+    assert batcher.submit([[1]]).result(WAIT) == [vec([1])]
+
+
+def test_close_gives_up_on_a_stuck_engine_after_its_timeout(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=1)
+    busy(batcher, engine, 1)
+    started = time.monotonic()
+    try:
+        batcher.close(timeout=0.2)
+        assert 0.2 <= time.monotonic() - started < 2
+        assert batcher._thread.is_alive()
+    finally:
+        engine.release.set()
