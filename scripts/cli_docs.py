@@ -9,6 +9,7 @@ environment variable mopt reads (docs/environment.yaml).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from builder.cli import cli  # noqa: E402
-from builder.runtime.__main__ import build_parser  # noqa: E402
+from builder.runtime.__main__ import ENV_VARS, build_parser  # noqa: E402
 
 OUT = REPO / "docs" / "cli.md"
 ENVIRONMENT = REPO / "docs" / "environment.yaml"
@@ -95,7 +96,12 @@ def _action_value(action: argparse.Action) -> str:
 
 
 def runtime_section(env: dict[str, dict]) -> list[str]:
-    parser = build_parser()
+    # Defaults as shipped: the variables that would change them are not read while documenting.
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k in ENV_VARS.values() or k.startswith("MOPT_")}
+    try:
+        parser = build_parser()
+    finally:
+        os.environ.update(saved)
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     lines = ["## In the image: `python -m mopt_runtime`", "",
              _cell(parser.description or ""), "",
@@ -106,7 +112,8 @@ def runtime_section(env: dict[str, dict]) -> list[str]:
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction) or not action.option_strings:
                 continue
-            envs = env_for_flag(env, action.option_strings[0], ("serve", "compile"))
+            envs = [ENV_VARS[(name, action.option_strings[0])]] if (name, action.option_strings[0]) in ENV_VARS \
+                else env_for_flag(env, action.option_strings[0], ("serve", "compile"))
             default = "" if action.default in (None, argparse.SUPPRESS) else str(action.default)
             required = " (required)" if action.required else ""
             lines.append(f"| {_action_flags(action)}{required} | {_cell(_action_value(action))} | {_cell(default)} "

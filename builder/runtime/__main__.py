@@ -11,10 +11,17 @@ from pathlib import Path
 
 from .errors import RuntimeToolError, UsageError
 
+# (subcommand, flag) -> the environment variable that gives the flag's default (docs/cli.md lists them).
+ENV_VARS: dict[tuple[str, str], str] = {}
 
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
+
+def _env_argument(parser: argparse.ArgumentParser, command: str, flag: str, env: str, *, default, **kwargs):
+    """An option whose default comes from ENV when set. argparse converts a string default with the
+    option's type, so a bad value is the same one-line usage error (exit 2) as a bad flag."""
+    ENV_VARS[(command, flag)] = env
+    value = os.environ.get(env)
+    kwargs["help"] = f"{kwargs.get('help', '')} [env: {env}]".strip()
+    return parser.add_argument(flag, default=value if value not in (None, "") else default, **kwargs)
 
 
 def _load_json_arg(flag: str, text: str | None, expect: type):
@@ -78,17 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="guard, then serve POST /v1/embeddings, /health, /metrics")
     s.add_argument("--engine-dir", required=True)
-    s.add_argument("--host", default=os.environ.get("MOPT_HOST", "0.0.0.0"))
-    s.add_argument("--port", type=int, default=_env_int("MOPT_PORT", 8000))
-    s.add_argument("--max-batch", type=int, default=_env_int("MOPT_MAX_BATCH", None),
-                   help="inputs per engine call (default: the engine's max_batch)")
-    s.add_argument("--max-wait-ms", type=float, default=float(os.environ.get("MOPT_MAX_WAIT_MS", "5")))
+    _env_argument(s, "serve", "--host", "MOPT_HOST", default="0.0.0.0", help="address to listen on")
+    _env_argument(s, "serve", "--port", "MOPT_PORT", type=int, default=8000, help="port to listen on")
+    _env_argument(s, "serve", "--max-batch", "MOPT_MAX_BATCH", type=int, default=None,
+                  help="inputs per engine call (default: the engine's max_batch)")
+    _env_argument(s, "serve", "--max-wait-ms", "MOPT_MAX_WAIT_MS", type=float, default=5.0,
+                  help="how long the batcher waits for more requests to fill a batch")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a worker process, apart from the HTTP threads (no shared GIL)")
-    s.add_argument("--max-inputs", type=int, default=_env_int("MOPT_MAX_INPUTS", 256))
-    s.add_argument("--max-input-tokens", type=int, default=_env_int("MOPT_MAX_INPUT_TOKENS", None),
-                   help="default and ceiling: the engine's max_seq_len")
-    s.add_argument("--max-body-bytes", type=int, default=_env_int("MOPT_MAX_BODY_BYTES", 4 << 20))
+    _env_argument(s, "serve", "--max-inputs", "MOPT_MAX_INPUTS", type=int, default=256,
+                  help="inputs per request")
+    _env_argument(s, "serve", "--max-input-tokens", "MOPT_MAX_INPUT_TOKENS", type=int, default=None,
+                  help="tokens per input; default and ceiling: the engine's max_seq_len")
+    _env_argument(s, "serve", "--max-body-bytes", "MOPT_MAX_BODY_BYTES", type=int, default=4 << 20,
+                  help="request body size")
 
     t = sub.add_parser("make-tiny-qwen3", help="write a tiny random Qwen3 checkpoint + tokenizer")
     t.add_argument("--out", required=True)

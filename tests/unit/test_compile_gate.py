@@ -20,7 +20,7 @@ pytest.importorskip("tokenizers", reason="the runtime needs tokenizers")
 
 from builder.runtime import __main__ as cli  # noqa: E402
 from builder.runtime import fingerprint, guard  # noqa: E402
-from builder.runtime.backends import BACKENDS  # noqa: E402
+from builder.runtime.backends import BACKENDS, BackendInfo  # noqa: E402
 from builder.runtime.compiler import DEFAULT_MIN_COSINE, compile_engine  # noqa: E402
 from builder.runtime.errors import CompileError  # noqa: E402
 from builder.runtime.params import EngineParams  # noqa: E402
@@ -51,8 +51,11 @@ def backend(monkeypatch):
         return run
 
     fake.compile, fake.reference, fake.load, fake.version = compile, reference, load, lambda: "gate-1"
+    fake.prepare = lambda device: None
+    fake.exec_serve = lambda out_dir, data, host, port: None
     monkeypatch.setitem(sys.modules, MODULE, fake)
-    monkeypatch.setitem(BACKENDS, "gate", MODULE.rpartition(".")[2])
+    monkeypatch.setitem(BACKENDS, "gate", BackendInfo(module=MODULE.rpartition(".")[2], own_server=False,
+                                                      version_is_torch=False, prepares=False))
     return fake
 
 

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch", reason="the runtime needs torch")
 
 from builder.runtime import fingerprint, guard  # noqa: E402
+from builder.runtime.backends import BACKENDS, BackendInfo  # noqa: E402
 from builder.runtime.errors import GuardError  # noqa: E402
 from builder.runtime.hostinfo import HostFacts  # noqa: E402
 from builder.runtime.params import EngineParams  # noqa: E402
@@ -131,9 +132,11 @@ def test_torch_backends_version_is_torchs(tmp_path):
 @pytest.fixture
 def fake_backend(monkeypatch):
     """A backend whose version is not torch's (as tensorrt or vllm), without installing either."""
-    backend = types.SimpleNamespace(version=lambda: "1.2.0", prepared=[])
+    backend = types.SimpleNamespace(version=lambda: "1.2.0", prepared=[], prepare=lambda device: None)
     real = guard.get_backend
     monkeypatch.setattr(guard, "get_backend", lambda name: backend if name == "fake" else real(name))
+    monkeypatch.setitem(BACKENDS, "fake", BackendInfo(module="fake", own_server=False, version_is_torch=False,
+                                                      prepares=True))
     return backend
 
 
