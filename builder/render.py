@@ -14,6 +14,7 @@ import jinja2
 import yaml
 
 from . import __version__
+from .backends import backend
 from .errors import ConfigError
 from .hashing import dump_json, sha256_text, tree_digest
 from .matrix import Matrix
@@ -50,10 +51,12 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
     resolved = variant.resolved
     cuda = resolved.get("cuda")
     data = defaults()
-    packages = list(data["runtime_packages"]["common"]) + list(data["runtime_packages"][variant.backend])
+    spec = backend(variant.backend)
+    packages = list(data["runtime_packages"]) + list(spec.runtime_packages)
     cuda_nodot = cuda.replace(".", "") if cuda else ""
     return {
         "id": variant.id, "image": variant.image, "flavour": variant.flavour, "backend": variant.backend,
+        "compile_options": spec.compile_options, "verify": spec.verify,
         "device": variant.device, "repository": variant.repository, "tag": variant.tag,
         "long_tag": variant.long_tag, "resolved": resolved, "python": resolved["python"],
         "base": resolved["base"], "cuda_nodot": cuda_nodot, "cuda_major": cuda.split(".")[0] if cuda else "",
@@ -96,7 +99,7 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
     recipe = entry.recipe
     files = {
         "Dockerfile.base": _render_template(env, "base.Dockerfile.j2", context),
-        "Dockerfile.runtime": _render_template(env, f"runtime-{variant.backend}.Dockerfile.j2", context),
+        "Dockerfile.runtime": _render_template(env, backend(variant.backend).runtime_template, context),
         "compile.sh": _render_template(env, "compile.sh.j2", context),
         "Dockerfile.final": _render_template(env, "final.Dockerfile.j2", context),
     }

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from .backends import BACKENDS, backend_info
 from .errors import UsageError
 
 POOLINGS = ("mean", "last", "cls")
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
-# int8 and fp8 are TensorRT builder flags (fp16 kernels as fallback); other backends take these.
-FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 DEVICES = ("cpu", "cuda")
 # Inductor modes for the torch-aot and torch-inductor backends (autotuning happens once, at image build).
@@ -17,7 +16,6 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # causal: causal decoders only; pad on the right and let SDPA apply causality with no mask tensor
 # (its flash kernel; see causal_attention.py). Exact for the real tokens either way.
 ATTENTIONS = ("mask", "causal")
-CAUSAL_BACKENDS = ("torch-aot", "torch-inductor")
 # The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
 SEQ_BUCKET = 8
 
@@ -57,16 +55,17 @@ class EngineParams:
             raise UsageError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.pooling not in POOLINGS:
             raise UsageError(f"--pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        if self.precision not in FLOAT_PRECISIONS and self.backend != "tensorrt":
-            raise UsageError(f"--precision {self.precision} is a TensorRT precision; {self.backend} takes "
-                             f"{', '.join(FLOAT_PRECISIONS)}")
+        backend = backend_info(self.backend)
+        if self.precision not in backend.precisions:
+            raise UsageError(f"--precision {self.precision} is not one {self.backend} takes "
+                             f"({', '.join(backend.precisions)})")
         if self.compile_mode not in COMPILE_MODES:
             raise UsageError(f"--compile-mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.attention not in ATTENTIONS:
             raise UsageError(f"--attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.attention == "causal" and self.backend not in CAUSAL_BACKENDS:
-            raise UsageError(f"--attention causal is implemented for {', '.join(CAUSAL_BACKENDS)}, "
-                             f"not {self.backend}")
+        if self.attention == "causal" and not backend.causal_attention:
+            causal = sorted(name for name, info in BACKENDS.items() if info.causal_attention)
+            raise UsageError(f"--attention causal is implemented for {', '.join(causal)}, not {self.backend}")
         if self.trt_hardware_compatibility not in HARDWARE_COMPATIBILITY:
             raise UsageError(f"--trt-hardware-compatibility must be one of {HARDWARE_COMPATIBILITY}, "
                              f"got {self.trt_hardware_compatibility!r}")

@@ -90,7 +90,7 @@ def test_params_validation():
         trt_params(trt_hardware_compatibility="hopper")
     with pytest.raises(UsageError, match="opset"):
         trt_params(trt_opset=13)
-    with pytest.raises(UsageError, match="TensorRT precision"):
+    with pytest.raises(UsageError, match="is not one torch-aot takes"):
         EngineParams(backend="torch-aot", device="cuda", precision="int8")
     # Defaults keep every other backend's params as they were.
     assert EngineParams().trt_opset == 17 and EngineParams.from_dict({"backend": "torch-aot"}).precision == "fp32"

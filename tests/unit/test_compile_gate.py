@@ -68,7 +68,9 @@ def model(tmp_path) -> Path:
     return model
 
 
-PARAMS = EngineParams(backend="gate", max_batch=4, max_seq_len=32)
+def gate_params() -> EngineParams:
+    """Made inside a test: the gate backend exists only while the backend fixture registers it."""
+    return EngineParams(backend="gate", max_batch=4, max_seq_len=32)
 
 
 def refused_message(model: Path, cosine: float, threshold: float) -> str:
@@ -88,7 +90,7 @@ def test_an_engine_below_the_threshold_is_refused(backend, model, tmp_path, cosi
     backend.cosine = cosine
     out = tmp_path / "out"
     with pytest.raises(CompileError) as exc:
-        compile_engine(model, out, PARAMS, min_cosine=threshold)
+        compile_engine(model, out, gate_params(), min_cosine=threshold)
     assert exc.value.exit_code == 4
     assert str(exc.value) == refused_message(model, cosine, threshold)
     assert_nothing_written(out)
@@ -97,7 +99,7 @@ def test_an_engine_below_the_threshold_is_refused(backend, model, tmp_path, cosi
 def test_an_engine_that_answers_nan_is_refused(backend, model, tmp_path):
     backend.cosine = float("nan")
     with pytest.raises(CompileError, match="reaches cosine nan vs the fp32 reference, below --min-cosine 0.5"):
-        compile_engine(model, tmp_path / "out", PARAMS, min_cosine=0.5)
+        compile_engine(model, tmp_path / "out", gate_params(), min_cosine=0.5)
     assert_nothing_written(tmp_path / "out")
 
 
@@ -105,7 +107,7 @@ def test_an_engine_that_answers_nan_is_refused(backend, model, tmp_path):
 def test_an_engine_at_or_above_the_threshold_is_written(backend, model, tmp_path, cosine, threshold):
     backend.cosine = cosine
     out = tmp_path / "out"
-    summary = compile_engine(model, out, PARAMS, min_cosine=threshold)
+    summary = compile_engine(model, out, gate_params(), min_cosine=threshold)
     assert summary["engine_min_cosine"] == cosine
     assert json.loads((out / "reference.json").read_text())["engine_min_cosine"] == cosine
     assert guard.check(out)["engine_sha256"] == summary["engine_sha256"]  # complete and servable
@@ -115,24 +117,24 @@ def test_the_default_threshold(backend, model, tmp_path):
     assert DEFAULT_MIN_COSINE == 0.99
     backend.cosine = 0.95
     with pytest.raises(CompileError) as exc:
-        compile_engine(model, tmp_path / "out", PARAMS)
+        compile_engine(model, tmp_path / "out", gate_params())
     assert str(exc.value) == refused_message(model, 0.95, 0.99)
     backend.cosine = 0.99
-    assert compile_engine(model, tmp_path / "out", PARAMS)["engine_min_cosine"] == 0.99
+    assert compile_engine(model, tmp_path / "out", gate_params())["engine_min_cosine"] == 0.99
 
 
 def test_a_refused_recompile_leaves_no_earlier_engine_behind(backend, model, tmp_path):
     out = tmp_path / "out"
-    compile_engine(model, out, PARAMS)
+    compile_engine(model, out, gate_params())
     backend.cosine = 0.5
     with pytest.raises(CompileError):
-        compile_engine(model, out, PARAMS)
+        compile_engine(model, out, gate_params())
     assert not (out / fingerprint.ENGINE_JSON).exists() and not (out / fingerprint.ENGINE_SUBDIR).exists()
 
 
 def test_without_verify_there_is_no_figure_to_gate(backend, model, tmp_path):
     backend.cosine = 0.1
-    summary = compile_engine(model, tmp_path / "out", PARAMS, verify=False, min_cosine=0.99)
+    summary = compile_engine(model, tmp_path / "out", gate_params(), verify=False, min_cosine=0.99)
     assert summary["engine_min_cosine"] is None
     assert (tmp_path / "out" / fingerprint.ENGINE_JSON).is_file()
 

@@ -14,10 +14,14 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import UsageError
-from ..params import EngineParams
+
+if TYPE_CHECKING:  # params validates against this registry: no import cycle at run time
+    from ..params import EngineParams
+
+FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 
 # Embeddings for a padded batch: (input_ids, attention_mask) -> float32 [batch, dim].
 EngineCall = Callable[[Any, Any], Any]
@@ -53,13 +57,19 @@ class BackendInfo:
     own_server: bool  # served by its own OpenAI server (exec_serve after the guard), not by mopt's server
     version_is_torch: bool  # its version is torch's, which the guard compares already
     prepares: bool  # prepare() does start-up work worth overlapping with the guard's hashing
+    precisions: tuple[str, ...] = FLOAT_PRECISIONS  # what --precision may be
+    causal_attention: bool = False  # takes --attention causal (right padding, SDPA's is_causal)
 
 
 # The one place a backend is registered (the host side describes it in builder/data/backends/<name>.yaml).
 BACKENDS: dict[str, BackendInfo] = {
-    "torch-aot": BackendInfo(module="torch_aot", own_server=False, version_is_torch=True, prepares=False),
-    "torch-inductor": BackendInfo(module="torch_inductor", own_server=False, version_is_torch=True, prepares=True),
-    "tensorrt": BackendInfo(module="tensorrt", own_server=False, version_is_torch=False, prepares=False),
+    "torch-aot": BackendInfo(module="torch_aot", own_server=False, version_is_torch=True, prepares=False,
+                             causal_attention=True),
+    "torch-inductor": BackendInfo(module="torch_inductor", own_server=False, version_is_torch=True, prepares=True,
+                                  causal_attention=True),
+    # int8 and fp8 are TensorRT builder flags (fp16 kernels as the fallback).
+    "tensorrt": BackendInfo(module="tensorrt", own_server=False, version_is_torch=False, prepares=False,
+                            precisions=(*FLOAT_PRECISIONS, "int8", "fp8")),
     "tensorrt-llm": BackendInfo(module="tensorrt_llm", own_server=True, version_is_torch=False, prepares=False),
     "vllm": BackendInfo(module="vllm_backend", own_server=True, version_is_torch=False, prepares=False),
 }

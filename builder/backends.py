@@ -1,0 +1,56 @@
+"""What the host side knows about each engine backend, declared once per backend as data
+(builder/data/backends/<name>.yaml, validated by schemas/backend.schema.json): the matrix axis that is
+its version, the template of its runtime image, the packages that image adds, whether it serves
+itself, and which option groups its compile step takes. The backends' code is the in-image runtime's
+(builder/runtime/backends/), which the host never imports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from .errors import ConfigError
+from .yamlio import load_yaml, validate
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendSpec:
+    name: str
+    description: str
+    version_axis: str
+    runtime_template: str
+    runtime_packages: tuple[str, ...]
+    own_server: bool
+    verify: bool
+    compile_options: tuple[str, ...]
+
+
+def backends_dir() -> Path:
+    return Path(str(resources.files("builder").joinpath("data", "backends")))
+
+
+def load_backend(path: Path) -> BackendSpec:
+    doc = load_yaml(path)
+    validate(doc, "backend")
+    data = doc.data
+    if data["name"] != path.stem:
+        raise doc.error(("name",), f"name {data['name']!r} differs from the file name {path.stem!r}")
+    return BackendSpec(name=data["name"], description=data["description"], version_axis=data["version_axis"],
+                       runtime_template=data["runtime_template"], runtime_packages=tuple(data["runtime_packages"]),
+                       own_server=data["own_server"], verify=data["verify"],
+                       compile_options=tuple(data["compile_options"]))
+
+
+@cache
+def backends() -> dict[str, BackendSpec]:
+    """Every backend mopt knows, by name."""
+    return {spec.name: spec for spec in map(load_backend, sorted(backends_dir().glob("*.yaml")))}
+
+
+def backend(name: str) -> BackendSpec:
+    known = backends()
+    if name not in known:
+        raise ConfigError(f"unknown backend {name!r} (backends: {', '.join(sorted(known))})")
+    return known[name]
