@@ -9,6 +9,7 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .backends import backends
 from .errors import ConfigError
 from .recipe import Recipe, load_recipe
 from .versions import normalize_sm
@@ -127,8 +128,8 @@ def _known(doc: YamlDocument, axes: dict, bases: dict, path: tuple, axis: str, v
                               f"({', '.join(axes[axis])})")
 
 
-def _load_flavour(doc: YamlDocument, axes: dict, bases: dict, image: str, name: str, raw: dict) -> Flavour:
-    where = ("images", image, "flavours", name)
+def _crossed(doc: YamlDocument, axes: dict, bases: dict, where: tuple, raw: dict) -> tuple:
+    """The flavour's crossed axes as ((axis, values), ...) in AXES order."""
     crossed = []
     for axis in AXES:
         choice = (raw.get("axes") or {}).get(axis)
@@ -143,45 +144,70 @@ def _load_flavour(doc: YamlDocument, axes: dict, bases: dict, image: str, name: 
             for i, value in enumerate(values):
                 _known(doc, axes, bases, where + ("axes", axis, i), axis, value)
         crossed.append((axis, values))
-    crossed_names = {axis for axis, _ in crossed}
+    return tuple(crossed)
+
+
+def _fixed(doc: YamlDocument, axes: dict, bases: dict, where: tuple, raw: dict, crossed_names: set) -> dict:
     fixed = {axis: _normalise(doc, where + ("set", axis), axis, v) for axis, v in (raw.get("set") or {}).items()}
     for axis, value in fixed.items():
         _known(doc, axes, bases, where + ("set", axis), axis, value)
         if axis in crossed_names:
             raise doc.error(where + ("set", axis), f"{axis} is both crossed (axes) and fixed (set)")
+    return fixed
+
+
+def _newest(doc: YamlDocument, axes: dict, where: tuple, raw: dict, taken: set) -> tuple[str, ...]:
     newest = tuple(raw.get("newest", ()))
     for i, axis in enumerate(newest):
-        if axis in crossed_names or axis in fixed:
+        if axis in taken:
             raise doc.error(where + ("newest", i), f"{axis} is crossed or fixed already; newest picks one value")
         if axis not in axes:
             raise doc.error(where + ("newest", i), f"newest: {axis} but the matrix declares no axes.{axis}")
+    return newest
+
+
+def _combos(doc: YamlDocument, axes: dict, bases: dict, where: tuple, raw: dict, key: str,
+            taken: set) -> tuple[dict, ...]:
+    """include or exclude entries, normalised; an include may only name the flavour's own axes."""
+    entries = []
+    for i, entry in enumerate(raw.get(key, ())):
+        norm = {}
+        for axis, value in entry.items():
+            norm[axis] = _normalise(doc, where + (key, i, axis), axis, value)
+            _known(doc, axes, bases, where + (key, i, axis), axis, norm[axis])
+            if key == "include" and axis not in taken:
+                raise doc.error(where + (key, i, axis), f"{axis} is not an axis of this flavour")
+        entries.append(norm)
+    return tuple(entries)
+
+
+def _load_flavour(doc: YamlDocument, axes: dict, bases: dict, image: str, name: str, raw: dict) -> Flavour:
+    where = ("images", image, "flavours", name)
+    if raw["backend"] not in backends():
+        raise doc.error(where + ("backend",), f"unknown backend {raw['backend']!r} (backends: "
+                                              f"{', '.join(sorted(backends()))})")
+    crossed = _crossed(doc, axes, bases, where, raw)
+    crossed_names = {axis for axis, _ in crossed}
+    fixed = _fixed(doc, axes, bases, where, raw, crossed_names)
+    taken = crossed_names | set(fixed)
+    newest = _newest(doc, axes, where, raw, taken)
     if raw["device"] == "cpu":
         for axis in ("cuda", "sm"):
-            if axis in crossed_names or axis in fixed:
+            if axis in taken:
                 raise doc.error(where + ("device",), f"a cpu flavour cannot have the {axis} axis")
-    elif "sm" not in crossed_names and "sm" not in fixed:
+    elif "sm" not in taken:
         raise doc.error(where + ("axes",), "a cuda flavour must cross or set sm: engines are tied to the GPU arch")
-    combos = {}
-    for key in ("include", "exclude"):
-        entries = []
-        for i, entry in enumerate(raw.get(key, ())):
-            norm = {}
-            for axis, value in entry.items():
-                norm[axis] = _normalise(doc, where + (key, i, axis), axis, value)
-                _known(doc, axes, bases, where + (key, i, axis), axis, norm[axis])
-                if key == "include" and axis not in crossed_names and axis not in fixed:
-                    raise doc.error(where + (key, i, axis), f"{axis} is not an axis of this flavour")
-            entries.append(norm)
-        combos[key] = tuple(entries)
+    include = _combos(doc, axes, bases, where, raw, "include", taken)
+    exclude = _combos(doc, axes, bases, where, raw, "exclude", taken)
     _template_fields(doc, where + ("tag",), raw["tag"])
     long_tag = raw.get("long_tag", "")
     if long_tag:
         _template_fields(doc, where + ("long_tag",), long_tag)
-    if "base" not in crossed_names and "base" not in fixed:
+    if "base" not in taken:
         raise doc.error(where + ("set",), "every flavour needs a base: set it (set: {base: NAME}) or cross it")
     return Flavour(
-        name=name, backend=raw["backend"], device=raw["device"], crossed=tuple(crossed), newest=newest,
-        fixed=fixed, include=combos["include"], exclude=combos["exclude"], tag=raw["tag"],
+        name=name, backend=raw["backend"], device=raw["device"], crossed=crossed, newest=newest,
+        fixed=fixed, include=include, exclude=exclude, tag=raw["tag"],
         long_tag=long_tag, runtime_source=raw.get("runtime_source", "pypi"),
     )
 

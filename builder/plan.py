@@ -15,14 +15,12 @@ from functools import cache
 from packaging.version import Version
 
 from . import compat
+from .backends import backend
 from .errors import ConfigError
 from .matrix import AXES, Flavour, ImageEntry, Matrix
 
 _DOCKER_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
-# Which resolved version is "the backend's version" in labels and engine.json.
-BACKEND_VERSION_AXIS = {"torch-aot": "torch", "torch-inductor": "torch", "tensorrt": "tensorrt",
-                        "tensorrt-llm": "tensorrt_llm", "vllm": "vllm"}
 
 
 @dataclass(frozen=True)
@@ -178,7 +176,7 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Ver
         resolved["base"] = {"name": base.name, "kind": "rootfs", "ref": base.image}
     if flavour.device == "cpu" and base.has_cuda:
         reasons.append(f"base {base.name} is a CUDA image; a cpu flavour needs a plain base")
-    backend_axis = BACKEND_VERSION_AXIS[flavour.backend]
+    backend_axis = backend(flavour.backend).version_axis  # its value is "the backend's version" in labels
     resolved["backend_version"] = resolved.get(backend_axis)
     if not resolved["backend_version"]:
         reasons.append(f"backend {flavour.backend} needs a {backend_axis} version: cross, set or pick it")
