@@ -1,3 +1,3 @@
-from builder.cli import main
+from .cli import main
 
 main()

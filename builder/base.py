@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from builder.dockerclient import DockerCli, run_docker
-from builder.errors import BuildError, ConfigError, EnvironmentProblem
+from .dockerclient import DockerCli, run_docker
+from .errors import BuildError, ConfigError, EnvironmentProblem
 
 KEY_VERSION = 1  # bump when the build recipe below changes in a way that changes the result
 DEFAULT_MIRROR = "http://deb.debian.org/debian"

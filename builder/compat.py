@@ -19,8 +19,9 @@ from typing import Any
 import jsonschema
 import yaml
 
-from builder.errors import ConfigError, IncompatibleError
-from builder.versions import (
+from .axes import PACKAGE_AXES
+from .errors import ConfigError, IncompatibleError
+from .versions import (
     compare_versions,
     in_any,
     major_minor,
@@ -628,7 +629,7 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     cuda = normalize_cuda(combo.cuda) if combo.cuda is not None else None
     sm = normalize_sm(combo.sm) if combo.sm is not None else None
     driver = normalize_driver(combo.driver) if combo.driver is not None else None
-    for name in ("tensorrt", "tensorrt_llm", "vllm", "torch", "python"):
+    for name in PACKAGE_AXES:
         value = getattr(combo, name)
         if value is not None:
             parse_version(value)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from builder.errors import BuildError, EnvironmentProblem, MoptError
+from .errors import BuildError, EnvironmentProblem, MoptError
 
 BuildkitKind = Literal["buildx", "builtin"]
 

@@ -22,8 +22,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from builder.dockerclient import DockerCli, run_docker
-from builder.errors import EnvironmentProblem, PublishError
+from .dockerclient import DockerCli, run_docker
+from .errors import EnvironmentProblem, PublishError
 
 REGISTRY_BINARIES = ("docker-registry", "registry")
 START_TIMEOUT_S = 30.0

@@ -9,15 +9,12 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .axes import AXES
 from .backends import backends
 from .errors import ConfigError
 from .recipe import Recipe, load_recipe
 from .versions import normalize_sm
 from .yamlio import YamlDocument, load_yaml, validate
-
-# Order matters: it is the order of crossing, of JSON keys and of the long tag.
-AXES = ("cuda", "sm", "driver", "tensorrt", "tensorrt_llm", "vllm", "torch", "python", "base")
-VERSION_AXES = ("cuda", "tensorrt", "tensorrt_llm", "vllm", "torch", "python")
 
 # Variables a tag template may use; plan fills them per variant.
 TAG_VARIABLES = frozenset({

@@ -15,9 +15,10 @@ from functools import cache
 from packaging.version import Version
 
 from . import compat
+from .axes import AXES, COMBO_AXES, LONG_TAG_PREFIXES
 from .backends import backend
 from .errors import ConfigError
-from .matrix import AXES, Flavour, ImageEntry, Matrix
+from .matrix import Flavour, ImageEntry, Matrix
 
 _DOCKER_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -81,8 +82,7 @@ def _check(combo: compat.Combo) -> compat.Verdict:
 
 
 def _combo(values: dict) -> compat.Combo:
-    return compat.Combo(**{k: values.get(k) for k in ("cuda", "sm", "driver", "tensorrt", "tensorrt_llm",
-                                                      "vllm", "torch", "python")})
+    return compat.Combo(**{k: values.get(k) for k in COMBO_AXES})
 
 
 def _expand(flavour: Flavour) -> list[dict]:
@@ -142,9 +142,7 @@ def _format_tag(template: str, values: dict, where: str) -> str:
 
 def _default_long_tag(short: str, values: dict) -> str:
     """The immutable tag: the short tag plus every version, plus the build id."""
-    prefixes = {"cuda": "cuda", "tensorrt": "trt", "tensorrt_llm": "trtllm", "vllm": "vllm", "torch": "torch",
-                "python": "py", "driver": "drv"}
-    parts = [short] + [f"{prefix}{values[axis]}" for axis, prefix in prefixes.items() if values.get(axis)]
+    parts = [short] + [f"{prefix}{values[axis]}" for axis, prefix in LONG_TAG_PREFIXES.items() if values.get(axis)]
     return "-".join(parts) + f"-b{values['build_id']}"
 
 
@@ -152,11 +150,9 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Ver
     """Everything a template, label or guard needs, derived once here."""
     reasons = []
     resolved = dict(verdict.resolved)
-    for axis in ("cuda", "sm", "driver", "tensorrt", "tensorrt_llm", "vllm", "python"):
+    for axis in COMBO_AXES:
         if values.get(axis):
             resolved[axis] = values[axis]
-    if values.get("torch"):
-        resolved["torch"] = values["torch"]
     base = matrix.bases[values["base"]]
     python = values.get("python") or base.python
     if python != base.python:

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from packaging.version import InvalidVersion, Version
 
-from builder.errors import ConfigError
+from .errors import ConfigError
 
 __all__ = [
     "VersionRange",

@@ -87,3 +87,15 @@ def test_backends_do_not_reach_into_each_other_or_the_guard(path):
 
     found = _violations([path], bad)
     assert not found, "a backend imports another backend, a private name or the guard:\n" + "\n".join(found)
+
+
+def test_one_import_style_inside_the_package():
+    # Modules of the package import each other relatively: the runtime has to (it ships as mopt_runtime),
+    # and the host does the same so a module reads the same wherever it lives.
+    absolute = [f"{path.relative_to(REPO)}:{node.lineno}"
+                for path in _py(BUILDER)
+                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                if (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0]
+                    == "builder") or (isinstance(node, ast.Import)
+                                      and any(a.name.split(".")[0] == "builder" for a in node.names))]
+    assert not absolute, "absolute imports of builder inside builder/:\n" + "\n".join(absolute)
