@@ -1,16 +1,12 @@
 """Rotary position tables as a broadcast product, so the compiled q/k norm + RoPE fuse into one kernel.
 
-transformers 5.17 (the H200 machine's) builds RoPE's angle table as a k=1 matmul, inv_freq[d] @ positions[s], then
-transposes it: a [d, s] buffer, sequence-fastest. Each attention block reads it beside q and k, which
-are head_dim-fastest. Given the two orders, Inductor tiles the rotary embedding in 2D (one tile dim
-per order) and cannot fuse it with the per-head RMSNorm reduction over head_dim: the H200 profiles
-of the exported engine showed a reduction plus two tiled kernels per q and k, 20.1 ms a batch, where
-torch.compile of the module (by luck of its scheduling) had one persistent reduction, 17.5 ms
-(benchmarks/fusion_probe.py). The product positions[..., None] * inv_freq gives the table as
-[s, d], head_dim-fastest like q and k. It is the same arithmetic: a k=1 matmul is one fp32 multiply
-per element, and transformers 5.24 (this repo's venv) computes it this way. With it the exported
-28-layer engine fuses norm + RoPE as JIT does: 70.95 ms a 64 x 512 batch on the H200, was 77.35 ms
-(benchmarks/results/gpu_bench_h200.json, runs 10 and 11).
+Some transformers versions (5.17) build RoPE's angle table as a k=1 matmul, inv_freq[d] @ positions[s],
+then transpose it: a [d, s] buffer, sequence-fastest. Each attention block reads it beside q and k,
+which are head_dim-fastest. Given the two orders, Inductor tiles the rotary embedding in 2D (one tile
+dim per order) and cannot fuse it with the per-head RMSNorm reduction over head_dim. The product
+positions[..., None] * inv_freq gives the table as [s, d], head_dim-fastest like q and k, so norm and
+RoPE fuse. It is the same arithmetic: a k=1 matmul is one fp32 multiply per element, and newer
+transformers (5.24) computes it this way. docs/performance.md has the profiles and figures.
 
 Only rotary modules of RoPE type "default" are changed: other types (dynamic, longrope, ...) update
 inv_freq per call in a decorator this forward would bypass.

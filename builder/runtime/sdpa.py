@@ -2,8 +2,8 @@
 through Inductor (torch-inductor, torch-aot).
 
 cuDNN's kernel is left out by default: it generates and compiles a kernel plan for each new input
-shape at first use, a stall on every new request shape with dynamic shapes (measured on the H200,
-see docs/performance.md). MOPT_SDPA_BACKENDS overrides the list (benchmarks set it to compare).
+shape at first use, a stall on every new request shape with dynamic shapes (docs/performance.md).
+MOPT_SDPA_BACKENDS overrides the list (benchmarks set it to compare).
 """
 from __future__ import annotations
 

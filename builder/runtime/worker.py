@@ -3,8 +3,8 @@ in a worker; the HTTP process keeps only the tokenizer, the batcher and the requ
 
 Why: a forward pass launches hundreds of kernels from Python (Inductor's wrapper), and every
 launch gives up the GIL. In one process, request threads (JSON, base64, HTTP) take it at each
-launch and the engine waits for it back; measured on the H200, the server then reached 0.73 of the
-raw engine's tokens/s. Two processes share no GIL. The worker answers each batch with the raw
+launch and the engine waits for it back. Two processes share no GIL (docs/performance.md has the
+served-vs-raw figures). The worker answers each batch with the raw
 float32 bytes of the embeddings.
 
 Protocol over a multiprocessing pipe: the worker sends ("ready", engine_dir, engine.json) or
@@ -27,8 +27,8 @@ from .tokenization import TextEncoder
 
 def _worker_main(out_dir: str, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process handles Ctrl-C and SIGTERM
-    # No TorchScript is served, but importing Inductor compiles torch.utils.mkldnn's script methods:
-    # 1-1.5 s of a start on the H200 (cProfile of the artifact load). Before torch is imported.
+    # No TorchScript is served, but importing Inductor compiles torch.utils.mkldnn's script methods,
+    # seconds of a start. Set before torch is imported.
     os.environ.setdefault("PYTORCH_JIT", "0")
     try:
         from .engine import Engine

@@ -5,9 +5,9 @@ alone: the loader calls torch's C++ package loader directly rather than through 
 whose import chain (Dynamo, sympy, the compiler) costs seconds of every start.
 
 The compile step loads the finished package in a fresh process before it ships: a .so that crashes
-when loaded (seen on the H200 machine, whose default C++ compiler linked its own libstdc++ into the
-.so; the copy's locale code then met the process's libstdc++ in std::regex and segfaulted) fails the
-build with the cause named, instead of shipping an image that dies at start.
+when loaded (e.g. built by a C++ compiler that linked its own libstdc++ into it, which then meets the
+process's libstdc++) fails the build with the cause named, instead of shipping an image that dies at
+start.
 """
 from __future__ import annotations
 

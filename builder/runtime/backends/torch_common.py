@@ -86,9 +86,8 @@ def export_graph(module, example, params: EngineParams, strip_asserts: bool = Tr
 def strip_dtype_asserts(exported) -> None:
     """Drop the aten._assert_tensor_metadata nodes export puts before each .to(dtype). Inductor
     lowers them to nothing, but as extra users of a tensor they can stop it fusing an RMSNorm's
-    reduction with its normalisation: with torch 2.13 on the CPU they split each attention block's
-    per-head q/k norms into two kernels (tests/unit/test_runtime_qwen3.py). With torch 2.11 on the
-    H200 they made no difference; there the norms split because of the rotary table's layout (rotary.py)."""
+    reduction with its normalisation (each attention block's per-head q/k norms split into two
+    kernels; tests/unit/test_runtime_qwen3.py shows it on the CPU)."""
     graph = exported.graph_module.graph
     nodes = [n for n in graph.nodes if n.op == "call_function"
              and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users]
@@ -107,7 +106,7 @@ def _export_dynamic(module, example, params: EngineParams):
                 "attention_mask": {0: batch, 1: seq} if dyn_batch else {1: seq}}
     try:
         return torch.export.export(module, example, dynamic_shapes=explicit, strict=False), "explicit"
-    except Exception as exc:  # constraint violations differ by torch version (seen on 2.11+cu130)
+    except Exception as exc:  # which explicit ranges export accepts differs by torch version
         log.warning("export with explicit Dim ranges failed (%s); retrying with Dim.AUTO",
                     str(exc).splitlines()[0][:200])
         auto = {k: {0: Dim.AUTO, 1: Dim.AUTO} for k in ("input_ids", "attention_mask")}

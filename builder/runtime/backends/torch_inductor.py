@@ -1,11 +1,9 @@
 """Inductor-compiled engine made at image-build time, for CUDA (and CPU): no tracing, no codegen,
 no autotuning when the image starts.
 
-The aot flavours use torch-aot (the AOTInductor .pt2): this form was made when CUDA .pt2 packages
-segfaulted at load on the H200 machine (the cause turned out to be that machine's C++ compiler, see
-torch_aot.py). It stays as the alternative form (no C++ wrapper to build) and for comparison:
-on the H200 it gave the same throughput with a slower start (it imports Inductor and loads Triton
-kernels from Python).
+The aot flavours use torch-aot (the AOTInductor .pt2). This is the alternative form: no C++ wrapper
+to build, the same kernels, a slower start (it imports Inductor and loads Triton kernels from
+Python); docs/backends.md says when each was used and docs/performance.md has the figures.
 
 The compiled form (compile step, in the exact runtime image, on the target GPU):
 1. torch.export of the embedding module with dynamic batch and sequence dims (the graph torch-aot
@@ -286,7 +284,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
             "embedding_dim": int(module.body.config.hidden_size)}
 
 
-# Imported by the artifact's load (cProfile of a load on the H200): done in prepare(), they overlap hashing.
+# Imported by the artifact's load (a cProfile of the load found them): done in prepare(), they overlap hashing.
 PRELOAD_MODULES = ("torch._inductor.standalone_compile", "torch._inductor.codecache",
                    "torch._inductor.output_code", "torch._inductor.async_compile", "torch._inductor.kernel",
                    "torch._inductor.runtime.triton_heuristics", "torch._functorch._aot_autograd.aot_autograd_result",
@@ -296,7 +294,7 @@ PRELOAD_MODULES = ("torch._inductor.standalone_compile", "torch._inductor.codeca
 def prepare(device: str) -> None:
     """Start-up work that needs no engine file (the guard overlaps it with hashing): the artifact
     loader's imports, and on CUDA no compile worker pool: the artifact's Triton kernels are compiled
-    already and starting the pool costs seconds (measured on the H200). On the CPU the artifact's
+    already and starting the pool costs seconds. On the CPU the artifact's
     C++ kernels are built at load, where the pool helps."""
     import importlib
 
