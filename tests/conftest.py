@@ -1,3 +1,4 @@
+import locale
 import os
 import shutil
 import subprocess
@@ -32,3 +33,14 @@ def run_mopt(*args: str, cwd: Path | None = None, env: dict | None = None) -> su
     full_env.pop("MOPT_MATRIX", None)
     return subprocess.run([sys.executable, "-m", "builder", *args], cwd=cwd or REPO, env=full_env,
                           capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def ascii_locale():
+    """The host's locale says ASCII (as LANG=C does without Python's UTF-8 mode)."""
+    old = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, old)

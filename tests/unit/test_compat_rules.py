@@ -4,7 +4,6 @@ load_knowledge_base for a broken compat.yaml."""
 from __future__ import annotations
 
 import copy
-import locale
 from pathlib import Path
 
 import pytest
@@ -616,17 +615,6 @@ def test_load_default_and_given_path(tmp_path):
     mine = load_knowledge_base(path)
     assert mine.path == str(path)
     assert compat.min_driver("12.1", mine) == "531.00"
-
-
-@pytest.fixture
-def ascii_locale():
-    """The host's locale says ASCII (as LANG=C does without Python's UTF-8 mode)."""
-    old = locale.setlocale(locale.LC_CTYPE)
-    try:
-        locale.setlocale(locale.LC_CTYPE, "C")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, old)
 
 
 def test_kb_is_read_as_utf8_whatever_the_locale(tmp_path, ascii_locale):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import locale
 import os
 from pathlib import Path
 
@@ -254,17 +253,6 @@ def test_rerender_into_the_same_directory(planned, tmp_path):
     assert render(matrix, (variant,), tmp_path / "out", templates) == [directory]
     assert (directory / "Dockerfile.final").read_text() == original       # a changed file is rewritten
     assert (directory / "compile.sh").stat().st_mtime == old              # an unchanged one is left alone
-
-
-@pytest.fixture
-def ascii_locale():
-    """The host's locale says ASCII (as LANG=C does without Python's UTF-8 mode)."""
-    old = locale.setlocale(locale.LC_CTYPE)
-    try:
-        locale.setlocale(locale.LC_CTYPE, "C")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, old)
 
 
 def test_files_are_utf8_whatever_the_locale(planned, tmp_path, ascii_locale):
