@@ -195,8 +195,9 @@ RULES = [
     rule("flavour crosses an unknown base", f"{GPU}.axes.base[1]", "unknown base 'nope' (bases: deb)",
          "base: [deb, nope]", ("          sm: all\n", "          sm: all\n          base: [deb, nope]\n"),
          ("        set:\n" + GPU_SET, "        tag: \"cu")),
-    rule("set names an unknown base", f"{CPU}.set.base", "unknown base 'alpine' (bases: deb)", "base: alpine",
-         ("          base: deb\n          torch", "          base: alpine\n          torch")),
+    rule("set names an unknown base", f"{CPU}.set.base", "unknown base 'alpine' (bases: deb, nv)", "base: alpine",
+         ("          base: deb\n          torch", "          base: alpine\n          torch"),
+         ("bases:\n", "bases:\n" + NV_BASE + "    cuda_tags: {'12.4': x}\n")),
     rule("set value not an sm", f"{GPU}.set.sm", NOT_SM, "sm: '8'",
          (GPU_SET, "          base: deb\n          sm: '8'\n        tag: \"cu"), ("          sm: all\n", "")),
     rule("set value undeclared", f"{CPU}.set.torch", "unknown torch value '2.9.0': not in axes.torch (2.6.0, 2.7.1)",
@@ -224,6 +225,8 @@ RULES = [
          (NEWEST, NEWEST + "        include:\n          - {sm: 80}\n          - {cuda: '11.0'}\n")),
     rule("exclude value not an sm", f"{GPU}.exclude[0].sm", NOT_SM, "{sm: '8'}",
          (NEWEST, NEWEST + "        exclude:\n          - {sm: '8'}\n")),
+    rule("exclude of an unknown base", f"{GPU}.exclude[1].base", "unknown base 'nope' (bases: deb)", "{base: nope}",
+         (NEWEST, NEWEST + "        exclude:\n          - {base: deb}\n          - {base: nope}\n")),
     rule("bad tag template", f"{GPU}.tag", "bad tag template 'cu{cuda': expected '}' before end of string",
          'tag: "cu{cuda"', ('tag: "cu{cuda_nodot}-sm{sm}"', 'tag: "cu{cuda"')),
     rule("unknown tag variable", f"{GPU}.tag",
@@ -285,7 +288,7 @@ def test_flavour_values_normalised_and_options_kept(workdir):
         ("          cuda: all\n          sm: all\n", "          sm: ['sm_90', '8.0']\n          base: [deb]\n"),
         ("        newest: [torch]\n        set:\n          base: deb\n",
          "        newest: [torch]\n        set:\n          cuda: '12.8'\n"
-         "        include:\n          - {sm: 'sm_80', cuda: '12.8'}\n"  # cuda is fixed: an include may name it
+         "        include:\n          - {sm: 'sm_80', cuda: '12.8', base: deb}\n"  # cuda is fixed: may be named
          "        exclude:\n          - {sm: '9.0'}\n          - {python: '3.11'}\n"),  # exclude: any declared axis
         ('tag: "cu{cuda_nodot}-sm{sm}"\n', 'tag: "cu{cuda_nodot}-sm{sm}"\n        long_tag: "x{sm}-{build_id}"\n'
                                            '        runtime_source: nvidia-pip\n'),
@@ -293,7 +296,7 @@ def test_flavour_values_normalised_and_options_kept(workdir):
     gpu = load_matrix(write(workdir, text)).images[0].flavours[0]
     assert gpu.crossed == (("sm", ("90", "80")), ("base", ("deb",)))
     assert gpu.fixed == {"cuda": "12.8"}
-    assert gpu.include == ({"sm": "80", "cuda": "12.8"},)
+    assert gpu.include == ({"sm": "80", "cuda": "12.8", "base": "deb"},)
     assert gpu.exclude == ({"sm": "90"}, {"python": "3.11"})
     assert (gpu.long_tag, gpu.runtime_source) == ("x{sm}-{build_id}", "nvidia-pip")
 

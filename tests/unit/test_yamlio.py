@@ -118,6 +118,9 @@ ALLOWED_TOP = "axes, bases, build_id, images, namespace, runners, version"
      "m.yaml:7: images.x.recipe: expected string, got float 1.5 (quote version numbers: 12.10 unquoted would "
      "read as 12.1)"),
     (MATRIX_HEAD + "runners: []\n" + IMAGES, "m.yaml:5: runners: expected object, got list []"),
+    # A mapping where a string belongs: the error is about the key holding it, not a key inside it.
+    (MATRIX_HEAD.replace("namespace: acme", "namespace:\n  a: 1") + IMAGES,
+     "m.yaml:2: namespace: expected string, got dict {'a': 1}"),
     (MATRIX_HEAD + IMAGES.replace("device: cpu", "device: gpu"),
      "m.yaml:9: images.x.flavours.f.device: 'gpu' is not one of 'cuda', 'cpu'"),
     (MATRIX_HEAD + IMAGES.replace(", tag: cpu", ""), "m.yaml:9: images.x.flavours.f: 'tag' is required"),
