@@ -91,13 +91,23 @@ def check_loads_or_config_error(tmp: Path, added: tuple | None = None) -> None:
     assert added is None, f"{format_path(added)} was added and the files loaded without an error"
 
 
+RECIPES = {path.parent.name: path.read_text() for path in sorted(REPO.glob("images/*/image.yaml"))}
+
+
 def setup_tree(tmp: Path, matrix_text: str, recipe_text: str | None = None) -> None:
-    (tmp / "images/qwen3-embed").mkdir(parents=True, exist_ok=True)
-    (tmp / "images/minilm-embed").mkdir(parents=True, exist_ok=True)
-    (tmp / "images/minilm-embed/image.yaml").write_text((REPO / "images/minilm-embed/image.yaml").read_text())
-    (tmp / "images/qwen3-embed/image.yaml").write_text(
-        recipe_text if recipe_text is not None else (REPO / "images/qwen3-embed/image.yaml").read_text())
+    """Every shipped recipe (without one the shipped matrix stops at "recipe file not found" and nothing
+    is planned), the qwen3-embed one possibly fuzzed."""
+    for name, text in RECIPES.items():
+        (tmp / "images" / name).mkdir(parents=True, exist_ok=True)
+        (tmp / "images" / name / "image.yaml").write_text(
+            recipe_text if recipe_text is not None and name == "qwen3-embed" else text)
     (tmp / "matrix.yaml").write_text(matrix_text)
+
+
+def test_unmutated_tree_plans(tmp_path):
+    """The tree the fuzzers start from loads and plans: a mutation's error is the mutation's doing."""
+    setup_tree(tmp_path, (REPO / "matrix.yaml").read_text())
+    assert make_plan(load_matrix(tmp_path / "matrix.yaml")).variants
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
