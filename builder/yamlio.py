@@ -87,14 +87,18 @@ class YamlDocument:
         return ConfigError(message, file=self.file, key=format_path(tuple(path)), line=self.line_of(path))
 
 
+def _malformed(exc: Exception, file: str) -> ConfigError:
+    """One line: PyYAML's problem without its multi-line context, and its line where it has one."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return ConfigError(f"malformed YAML: {problem}", file=file, line=mark.line + 1 if mark else None)
+
+
 def parse_yaml(text: str, file: str) -> YamlDocument:
     try:
         node = yaml.compose(text, Loader=_LineLoader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"malformed YAML: {problem}", file=file,
-                          line=mark.line + 1 if mark else None) from None
+        raise _malformed(exc, file) from None
     if node is None:
         raise ConfigError("the file is empty", file=file)
     _reject_duplicate_keys(node, file)
@@ -102,8 +106,8 @@ def parse_yaml(text: str, file: str) -> YamlDocument:
     _compose_positions(node, (), lines)
     try:
         data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
-    except (yaml.YAMLError, ValueError, TypeError) as exc:
-        raise ConfigError(f"malformed YAML: {exc}", file=file) from None
+    except (yaml.YAMLError, ValueError, TypeError) as exc:  # a tag it cannot construct: !foo, !!int abc
+        raise _malformed(exc, file) from None
     return YamlDocument(data, lines, file)
 
 

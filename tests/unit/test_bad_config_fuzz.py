@@ -18,7 +18,17 @@ from builder import cli, dockerclient
 from builder.errors import ConfigError, EnvironmentProblem
 from builder.matrix import load_matrix
 from builder.plan import make_plan
-from tests.unit.test_config_fuzz import MATRIX_PATHS, RECIPE, RECIPE_PATHS, SHIPPED, mutate, values
+from tests.unit.test_config_fuzz import (
+    MATRIX_OPEN,
+    MATRIX_PATHS,
+    RECIPE,
+    RECIPE_PATHS,
+    SHIPPED,
+    added_unknown_key,
+    mutate,
+    unknown_key_text,
+    values,
+)
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -70,16 +80,20 @@ def _valid(tmp: Path) -> bool:
         return False
 
 
-def _check(tmp: Path, select: str, capsys) -> None:
+def _check(tmp: Path, select: str, capsys, added: tuple | None = None) -> None:
+    """`added`: the key path of a key the schema does not allow, which must stop the build (exit 2)."""
     outcome, code = _build_in_process(tmp, select)
     err = capsys.readouterr().err
     if outcome == "docker":  # only a config that loads and plans may ever reach docker
+        assert added is None, f"{added} was added and the build reached docker"
         assert _valid(tmp), "an invalid matrix reached a docker command"
         return
     assert code in (0, 2), (code, err)
     assert "Traceback" not in err
     if code == 2:
         assert err.strip() and "mopt: error" in err
+    if added is not None:
+        assert code == 2 and unknown_key_text(added) in err, (code, err)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -88,7 +102,7 @@ def _check(tmp: Path, select: str, capsys) -> None:
 def test_fuzzed_matrix_never_reaches_docker(no_docker, tmp_path_factory, capsys, path, action, value, select):
     tmp = tmp_path_factory.mktemp("bm")
     setup_tree(tmp, yaml.safe_dump(mutate(SHIPPED, path, action, value), sort_keys=False))
-    _check(tmp, select, capsys)
+    _check(tmp, select, capsys, added_unknown_key(SHIPPED, path, action, MATRIX_OPEN))
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -96,7 +110,7 @@ def test_fuzzed_matrix_never_reaches_docker(no_docker, tmp_path_factory, capsys,
 def test_fuzzed_recipe_never_reaches_docker(no_docker, tmp_path_factory, capsys, path, action, value):
     tmp = tmp_path_factory.mktemp("br")
     setup_tree(tmp, (REPO / "matrix.yaml").read_text(), yaml.safe_dump(mutate(RECIPE, path, action, value)))
-    _check(tmp, "qwen3-embed:*", capsys)
+    _check(tmp, "qwen3-embed:*", capsys, added_unknown_key(RECIPE, path, action))
 
 
 def test_broken_matrix_and_bad_select_exit_2_without_docker(no_docker, tmp_path, capsys):
