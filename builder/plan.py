@@ -149,10 +149,7 @@ def _default_long_tag(short: str, values: dict) -> str:
 def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Verdict) -> tuple[dict, list[str]]:
     """Everything a template, label or guard needs, derived once here."""
     reasons = []
-    resolved = dict(verdict.resolved)
-    for axis in COMBO_AXES:
-        if values.get(axis):
-            resolved[axis] = values[axis]
+    resolved = dict(verdict.resolved)  # compat.check keeps every given value and adds what it implies
     base = matrix.bases[values["base"]]
     python = values.get("python") or base.python
     if python != base.python:
@@ -206,7 +203,6 @@ def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour) -> tuple[
                                      axes=axes, reasons=tuple(reasons)))
             continue
         tag = _format_tag(flavour.tag, tag_values, where + ".tag")
-        tag_values["tag"] = tag
         if flavour.long_tag:
             long_tag = _format_tag(flavour.long_tag, tag_values, where + ".long_tag")
         else:

@@ -122,6 +122,23 @@ def sync_work_copy(files: list[str]) -> None:
         venv.symlink_to(REPO / ".venv")
 
 
+def sync_mutants_copy(files: list[str]) -> None:
+    """mutmut copies the source tree and ALSO_COPY once and then only regenerates the mutated modules:
+    bring every other file (schemas, data, templates, tests) in its copy up to date with the tree."""
+    mutants = WORK / "mutants"
+    if not mutants.is_dir():
+        return  # the first run copies everything itself
+    mutated = {f for t in load_config()[0] for f in t.files}
+    for rel in files:
+        if rel in mutated or not (rel.startswith("builder/") or rel.split("/")[0] in ALSO_COPY):
+            continue
+        src, dst = REPO / rel, mutants / rel
+        if dst.is_file() and dst.read_bytes() == src.read_bytes():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+
+
 def write_mutmut_config(targets: list[Target], tests: list[str], do_not_mutate: list[dict]) -> None:
     files = sorted({f for t in targets for f in t.files})
     patterns = [entry["pattern"] for entry in do_not_mutate]
@@ -247,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if args.fresh:
         shutil.rmtree(WORK / "mutants", ignore_errors=True)
-    sync_work_copy(tracked_files())
+    files = tracked_files()
+    sync_work_copy(files)
+    sync_mutants_copy(files)
     forget_survivors()
     try:
         write_mutmut_config(targets, tests, do_not_mutate)
@@ -316,6 +335,12 @@ def report(targets: list[Target], names: list[str], status: dict[str, str], path
             "targets": {n: {"mutants": c, "caught": k, "counts": counts} for n, c, k, counts in rows},
             "explained": [{k: v for k, v in i.items() if k != "diff"} for i in explained],
             "unexplained": unexplained}, indent=2) + "\n")
+    used = {(i["function"], i["change"]) for i in explained}
+    functions_run = {function_of(n) for n in names}
+    stale = [] if args.sample else [a for a in accepted if a.function in functions_run
+                                    and (a.function, a.change) not in used]
+    for entry in stale:
+        print(f"note: accepted but no longer a survivor (delete it): {entry.function}: {entry.change}")
     ok = score >= args.min_score and not unexplained
     if not ok:
         print(f"\nmutation: FAILED (score {score:.1f}% vs minimum {args.min_score}%, "
