@@ -97,6 +97,7 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
            "pooling": params.pooling, "normalize": params.normalize,
            "embeddings": backend.reference(str(model_dir), texts, params)}
     if verify:
+        ref["min_cosine"] = min_cosine  # the threshold an opt-in recompile on another host must meet too
         ref["engine_min_cosine"] = got = _verify(out_dir, data, params, texts, ref["embeddings"])
         if not got >= min_cosine:  # NaN too
             shutil.rmtree(engine_dir, ignore_errors=True)  # no engine.json yet: nothing half-built stays

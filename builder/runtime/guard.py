@@ -113,7 +113,7 @@ def resolve(out_dir: str | Path, env=None, facts: HostFacts | None = None) -> tu
 
 
 def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) -> tuple[Path, dict]:
-    from .compiler import REFERENCE_JSON, compile_engine
+    from .compiler import DEFAULT_MIN_COSINE, REFERENCE_JSON, compile_engine
 
     data = fingerprint.read(out_dir)
     old = EngineParams.from_dict(data["params"])
@@ -133,10 +133,9 @@ def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) ->
         return target, check(target, facts)  # a valid engine from an earlier start
     except GuardError:
         pass
-    texts = None
-    ref = out_dir / REFERENCE_JSON
-    if ref.is_file():
-        texts = json.loads(ref.read_text()).get("texts")
-    compile_engine(model_dir, target, params, image=data.get("image"), reference_texts=texts,
+    ref_path = out_dir / REFERENCE_JSON
+    ref = json.loads(ref_path.read_text()) if ref_path.is_file() else {}
+    compile_engine(model_dir, target, params, image=data.get("image"), reference_texts=ref.get("texts"),
+                   min_cosine=ref.get("min_cosine", DEFAULT_MIN_COSINE),
                    extra={"recompiled_from": str(out_dir.resolve()), "recompile_reason": err.message})
     return target, check(target, facts)

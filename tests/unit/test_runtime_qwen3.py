@@ -107,7 +107,8 @@ def test_recompile_on_mismatch_into_cache(tiny_engine, tmp_path):
     out = tmp_path / "old"
     (out).mkdir()
     (out / "engine").symlink_to(tiny_engine / "engine", target_is_directory=True)
-    (out / "reference.json").write_bytes((tiny_engine / "reference.json").read_bytes())
+    original = json.loads((tiny_engine / "reference.json").read_text())
+    (out / "reference.json").write_text(json.dumps({**original, "min_cosine": 0.9991}))  # the recipe's threshold
     (out / "engine.json").write_text(json.dumps({**data, "torch": "2.0.0"}))
     with pytest.raises(GuardError, match="torch 2.0.0"):
         guard.resolve(out, env={})
@@ -119,6 +120,7 @@ def test_recompile_on_mismatch_into_cache(tiny_engine, tmp_path):
     assert served.parent == tmp_path / "cache"
     new = fingerprint.read(served)
     assert new["recompiled_from"] == str(out.resolve()) and "torch 2.0.0" in new["recompile_reason"]
+    assert json.loads((served / "reference.json").read_text())["min_cosine"] == 0.9991  # the same gate
     before = (served / "engine.json").stat().st_mtime_ns
     again, _ = guard.resolve(out, env=env)  # next start reuses the cached engine
     assert again == served and (served / "engine.json").stat().st_mtime_ns == before
