@@ -46,7 +46,7 @@ class RenderedVariant:
 
 
 def _context(matrix: Matrix, variant: Variant) -> dict:
-    entry = next(e for e in matrix.images if e.name == variant.image)
+    entry = matrix.image(variant.image)
     recipe = entry.recipe
     resolved = variant.resolved
     cuda = resolved.get("cuda")
@@ -95,7 +95,7 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
     """siblings: every planned variant of the same image and flavour (the guard names their tags)."""
     env = _environment(templates)
     context = _context(matrix, variant)
-    entry = next(e for e in matrix.images if e.name == variant.image)
+    entry = matrix.image(variant.image)
     recipe = entry.recipe
     files = {
         "Dockerfile.base": _render_template(env, "base.Dockerfile.j2", context),

@@ -23,7 +23,7 @@ def test_shipped_matrix_loads(repo):
     names = {(e.name, f.name) for e in matrix.images for f in e.flavours}
     assert {("qwen3-embed", "tensorrt"), ("qwen3-embed", "vllm"), ("qwen3-embed", "aot"),
             ("qwen3-embed", "cpu"), ("minilm-embed", "cpu")} <= names
-    qwen = next(e for e in matrix.images if e.name == "qwen3-embed")
+    qwen = matrix.image("qwen3-embed")
     assert qwen.recipe.pooling == "last" and qwen.recipe.dimension == 1024
     assert qwen.recipe.substitute.kind == "generate"
 
