@@ -28,6 +28,15 @@ def test_shipped_matrix_loads(repo):
     assert qwen.recipe.substitute.kind == "generate"
 
 
+def test_image_by_name(repo):
+    matrix = load_matrix(repo / "matrix.yaml")
+    assert matrix.image("minilm-embed").name == "minilm-embed"
+    with pytest.raises(ConfigError) as err:
+        matrix.image("nope")
+    assert err.value.message == (f"no image 'nope' in {repo / 'matrix.yaml'} "
+                                 "(images: qwen3-embed, qwen3-chat, minilm-embed)")
+
+
 def test_malformed_yaml_names_file_and_line(workdir):
     (workdir / "matrix.yaml").write_text("version: 1\naxes: [unclosed\n")
     with pytest.raises(ConfigError) as exc:
