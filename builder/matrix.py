@@ -164,15 +164,15 @@ def _newest(doc: YamlDocument, axes: dict, where: tuple, raw: dict, taken: set) 
 
 
 def _combos(doc: YamlDocument, axes: dict, bases: dict, where: tuple, raw: dict, key: str,
-            taken: set) -> tuple[dict, ...]:
-    """include or exclude entries, normalised; an include may only name the flavour's own axes."""
+            allowed: set) -> tuple[dict, ...]:
+    """include or exclude entries, normalised, naming only ALLOWED axes."""
     entries = []
     for i, entry in enumerate(raw.get(key, ())):
         norm = {}
         for axis, value in entry.items():
             norm[axis] = _normalise(doc, where + (key, i, axis), axis, value)
             _known(doc, axes, bases, where + (key, i, axis), axis, norm[axis])
-            if key == "include" and axis not in taken:
+            if axis not in allowed:
                 raise doc.error(where + (key, i, axis), f"{axis} is not an axis of this flavour")
         entries.append(norm)
     return tuple(entries)
@@ -195,7 +195,7 @@ def _load_flavour(doc: YamlDocument, axes: dict, bases: dict, image: str, name: 
     elif "sm" not in taken:
         raise doc.error(where + ("axes",), "a cuda flavour must cross or set sm: engines are tied to the GPU arch")
     include = _combos(doc, axes, bases, where, raw, "include", taken)
-    exclude = _combos(doc, axes, bases, where, raw, "exclude", taken)
+    exclude = _combos(doc, axes, bases, where, raw, "exclude", set(AXES))  # removing by any axis is harmless
     _template_fields(doc, where + ("tag",), raw["tag"])
     long_tag = raw.get("long_tag", "")
     if long_tag:

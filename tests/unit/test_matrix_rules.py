@@ -353,3 +353,10 @@ def test_image_base_without_cuda_tag_needs_no_cuda_tags(workdir):
     text = edited(MINI, ("bases:\n", "bases:\n  nv:\n    kind: image\n    ref: nvidia/cuda:12.4.1-runtime\n"
                                      "    python: '3.10'\n"))
     assert load_matrix(write(workdir, text)).bases["nv"].cuda_tags == {}
+
+
+def test_an_unknown_backend_names_the_known_ones(workdir):
+    text = edited(MINI, ("      cpu:\n        backend: torch-aot", "      cpu:\n        backend: torch-aott"))
+    err = load_error(workdir, text)
+    assert str(err) == (f"{workdir / 'matrix.yaml'}:{line_of(text, 'torch-aott')}: {CPU}.backend: unknown backend "
+                        "'torch-aott' (backends: tensorrt, tensorrt-llm, torch-aot, torch-inductor, vllm)")
