@@ -15,6 +15,13 @@ if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
     || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
 rc=0
 .venv/bin/python -m pytest -p no:cacheprovider "$@" tests || rc=$?
+# The mutation check on a sample of the core's mutants, drawn anew for each commit (the full run and its
+# score: docs/testing.md). Only on the plain test command: extra pytest arguments mean a partial run.
+sample="${MOPT_MUTATION_SAMPLE:-300}"
+if [ "$#" -eq 0 ] && [ "$sample" != 0 ]; then
+    seed=$((16#$(git rev-parse --short=7 HEAD 2>/dev/null || echo 0)))
+    .venv/bin/python scripts/mutation.py --fresh --sample "$sample" --seed "$seed" || rc=$((rc ? rc : 1))
+fi
 # A CI clone is thrown away after the run: give its images' disk back now, not at the next run.
 if [ "${CI:-}" = "true" ]; then
     .venv/bin/python -m builder prune --state-dir .mopt --build-cache-gib 10 | tail -n 3 || true
