@@ -591,7 +591,7 @@ from builder.dockerclient import find_docker
 state, name, key, dockerfile, context, ca = sys.argv[1:7]
 opts = BuildOptions(state_dir=Path(state), templates=Path(state), ca_bundle=Path(ca) if ca else None)
 b = Builder.__new__(Builder)
-b.options, b.state, b.docker, b.log = opts, Path(state), find_docker(), lambda line: print(line, flush=True)
+b.options, b.state, b.docker, b.log = opts, opts.state, find_docker(), lambda line: print(line, flush=True)
 v = SimpleNamespace(id="faults:build", image="faults", tag=name)
 r = b._stage(v, name, key, lambda tag: b._docker_build(v, name, Path(dockerfile), Path(context), tag, key, {}, {}))
 print(json.dumps({"image_id": r.image_id, "tag": r.image, "skipped": r.skipped}), flush=True)

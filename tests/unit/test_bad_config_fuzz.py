@@ -128,7 +128,7 @@ Usage = namedtuple("Usage", "total used free")
 def _builder(tmp_path: Path, min_free_gib: float = 4.0) -> build_mod.Builder:
     b = build_mod.Builder.__new__(build_mod.Builder)
     b.options = build_mod.BuildOptions(state_dir=tmp_path, templates=tmp_path, min_free_gib=min_free_gib)
-    b.state = tmp_path
+    b.state = b.options.state
     return b
 
 
