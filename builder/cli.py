@@ -217,6 +217,7 @@ def hermetic_options(fn):
 def base(matrix_path: str, names: tuple[str, ...], state_dir: Path) -> None:
     """Build the rootfs base images that cannot be pulled (mmdebstrap, SOURCE_DATE_EPOCH) and record digests."""
     from . import base as base_module
+    from .state import StateDir
     from .dockerclient import find_docker
 
     matrix = _load(matrix_path)
@@ -229,7 +230,7 @@ def base(matrix_path: str, names: tuple[str, ...], state_dir: Path) -> None:
         image = base_module.ensure_base(
             base_module.BaseSpec(name=spec.image, epoch=spec.source_date_epoch, packages=spec.packages,
                                  suite=spec.suite, variant=spec.variant, mirror=spec.mirror),
-            state_dir / "bases", docker, log=click.echo)
+            StateDir(state_dir).bases, docker, log=click.echo)
         click.echo(f"{spec.name}: {spec.image} {image.image_id}")
 
 

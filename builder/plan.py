@@ -98,24 +98,25 @@ def _expand(flavour: Flavour) -> list[dict]:
     return combos
 
 
-def _pick_newest(matrix: Matrix, flavour: Flavour, combo: dict) -> list[str]:
-    """Fill each `newest` axis with the newest value compatible with the rest; reasons if none.
+def _pick_newest(matrix: Matrix, flavour: Flavour, combo: dict) -> tuple[list[str], compat.Verdict]:
+    """Fill each `newest` axis with the newest value compatible with the rest: (reasons if none fits,
+    the verdict of the values as filled in).
 
     A value the knowledge base confirms beats a newer one it only warns about (UNCONFIRMED rows).
     """
-    base_verdict = _check(_combo(combo))
-    if not base_verdict.compatible:
-        return list(base_verdict.reasons)  # nothing to pick can fix the crossed axes
+    verdict = _check(_combo(combo))
+    if not verdict.compatible:
+        return list(verdict.reasons), verdict  # nothing to pick can fix the crossed axes
     for axis in flavour.newest:
         candidates = sorted(matrix.axes[axis], key=Version, reverse=True)
         verdicts = [(value, _check(_combo(combo | {axis: value}))) for value in candidates]
         compatible = [(value, v) for value, v in verdicts if v.compatible]
         if not compatible:
             reasons = dict.fromkeys(r for _, v in verdicts for r in v.reasons)
-            return [f"no {axis} in axes.{axis} ({', '.join(candidates)}) fits: " + " ".join(reasons)]
-        confirmed = [value for value, v in compatible if not v.warnings]
-        combo[axis] = confirmed[0] if confirmed else compatible[0][0]
-    return []
+            return [f"no {axis} in axes.{axis} ({', '.join(candidates)}) fits: " + " ".join(reasons)], verdict
+        confirmed = [(value, v) for value, v in compatible if not v.warnings]
+        combo[axis], verdict = confirmed[0] if confirmed else compatible[0]
+    return [], verdict
 
 
 def _tag_values(matrix: Matrix, image: str, flavour: Flavour, values: dict) -> dict:
@@ -184,10 +185,7 @@ def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour) -> tuple[
     combos = _expand(flavour)
     for combo in combos:
         values = dict(combo)
-        reasons = _pick_newest(matrix, flavour, values)
-        verdict = _check(_combo(values)) if not reasons else None
-        if verdict is not None and not verdict.compatible:
-            reasons = list(verdict.reasons)
+        reasons, verdict = _pick_newest(matrix, flavour, values)
         resolved = {}
         if not reasons:
             resolved, reasons = _resolve(matrix, flavour, values, verdict)

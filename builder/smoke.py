@@ -62,7 +62,8 @@ class SmokeResult:
 
 def cosine(a: list[float], b: list[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)) or 1.0)
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norms if norms else 0.0  # an all-zero vector is like nothing
 
 
 # The embedding checks' verdicts, apart from the container so they can be tested: each raises
@@ -86,7 +87,9 @@ def check_normalised(vectors: list[list[float]], normalize: bool) -> None:
 
 
 def check_deterministic(first: list[list[float]], again: list[list[float]]) -> None:
-    worst = max(max(abs(x - y) for x, y in zip(a, b, strict=True)) for a, b in zip(first, again, strict=True))
+    diffs = [abs(x - y) for a, b in zip(first, again, strict=True) for x, y in zip(a, b, strict=True)]
+    # max() keeps whichever of a NaN and a number comes first: a NaN anywhere is the worst difference.
+    worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
     if not worst < REPEAT_TOLERANCE:
         raise SmokeTestError(f"two identical requests differ by up to {worst:.2e}")
 

@@ -43,9 +43,8 @@ def _compose_positions(node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int]
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             key = key_node.value
-            lines[path + (key,)] = key_node.start_mark.line + 1
             _compose_positions(value_node, path + (key,), lines)
-            lines[path + (key,)] = key_node.start_mark.line + 1
+            lines[path + (key,)] = key_node.start_mark.line + 1  # the key's line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             _compose_positions(item, path + (index,), lines)
@@ -108,6 +107,9 @@ def parse_yaml(text: str, file: str) -> YamlDocument:
         data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
     except (yaml.YAMLError, ValueError, TypeError) as exc:  # a tag it cannot construct: !foo, !!int abc
         raise _malformed(exc, file) from None
+    except Exception as exc:  # noqa: BLE001 - PyYAML's constructors fail in other ways too (!!bool maybe)
+        raise ConfigError(f"malformed YAML: a value its tag cannot hold ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})", file=file) from None
     return YamlDocument(data, lines, file)
 
 

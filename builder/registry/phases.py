@@ -95,7 +95,9 @@ def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: 
     secrets = creds.secrets if creds else []
     cli = docker or find_docker()
     try:
-        planned = plan(items, registry, api, cli)
+        # The dry run lists every problem; the real run stops planning at the first (a down registry
+        # then fails in one item's retries, not in every item's).
+        planned = plan(items, registry, api, cli, stop_at_first_error=not dry_run)
         if dry_run:
             return _dry_run(planned, api, log)
         return _publish(planned, registry, api, cli, config_dir, secrets, log)
@@ -103,8 +105,10 @@ def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: 
         api.close()
 
 
-def plan(items: list[PublishItem], registry: Registry, api: RegistryApi, cli: DockerCli) -> list[PlannedItem]:
-    """Phase 0 for every item, nothing changed: the local image and what its long tag holds now."""
+def plan(items: list[PublishItem], registry: Registry, api: RegistryApi, cli: DockerCli, *,
+         stop_at_first_error: bool = False) -> list[PlannedItem]:
+    """Phase 0, nothing changed: the local image and what its long tag holds now, for every item (or
+    up to the first that cannot be published)."""
     planned = []
     for item in items:
         item_refs = refs(item, registry)
@@ -117,6 +121,8 @@ def plan(items: list[PublishItem], registry: Registry, api: RegistryApi, cli: Do
             local, remote, same, error = None, None, False, exc
         planned.append(PlannedItem(item=item, refs=item_refs, local=local, remote_long=remote, same_image=same,
                                    error=error))
+        if error is not None and stop_at_first_error:
+            break
     return planned
 
 

@@ -15,12 +15,27 @@ from .errors import RuntimeToolError, UsageError
 ENV_VARS: dict[tuple[str, str], str] = {}
 
 
+def _typed(cast, env: str):
+    """CAST for argparse, whose error also names the variable (the value may have come from it)."""
+    def convert(text: str):
+        try:
+            return cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {cast.__name__} (given as the option "
+                                             f"or by {env})") from None
+
+    convert.__name__ = cast.__name__
+    return convert
+
+
 def _env_argument(parser: argparse.ArgumentParser, command: str, flag: str, env: str, *, default, **kwargs):
     """An option whose default comes from ENV when set. argparse converts a string default with the
     option's type, so a bad value is the same one-line usage error (exit 2) as a bad flag."""
     ENV_VARS[(command, flag)] = env
     value = os.environ.get(env)
     kwargs["help"] = f"{kwargs.get('help', '')} [env: {env}]".strip()
+    if "type" in kwargs:
+        kwargs["type"] = _typed(kwargs["type"], env)
     return parser.add_argument(flag, default=value if value not in (None, "") else default, **kwargs)
 
 

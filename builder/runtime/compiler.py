@@ -60,7 +60,8 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
     staging = out_dir / ".engine.staging"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    (out_dir / fingerprint.ENGINE_JSON).unlink(missing_ok=True)  # no stale fingerprint on failure
+    for stale in (fingerprint.ENGINE_JSON, REFERENCE_JSON, COMPILE_STATS):  # nothing of an earlier compile
+        (out_dir / stale).unlink(missing_ok=True)                             # survives a failed one
 
     started = time.monotonic()
     try:
@@ -98,10 +99,12 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
            "embeddings": backend.reference(str(model_dir), texts, params)}
     if verify:
         ref["min_cosine"] = min_cosine  # the threshold an opt-in recompile on another host must meet too
-        ref["engine_min_cosine"] = got = _verify(out_dir, data, params, texts, ref["embeddings"])
+        got = _verify(out_dir, data, params, texts, ref["embeddings"])
+        ref["engine_min_cosine"] = round(got, 6)  # recorded rounded; the gate compares the exact figure
         if not got >= min_cosine:  # NaN too
             shutil.rmtree(engine_dir, ignore_errors=True)  # no engine.json yet: nothing half-built stays
-            raise CompileError(f"the {params.backend} engine of {model_dir} reaches cosine {got} vs the fp32 "
+            shown = round(got, 6) if round(got, 6) < min_cosine else got  # rounding must not hide the miss
+            raise CompileError(f"the {params.backend} engine of {model_dir} reaches cosine {shown} vs the fp32 "
                                f"reference, below --min-cosine {min_cosine}: refused, no engine written")
     (out_dir / REFERENCE_JSON).write_text(json.dumps(ref) + "\n")
     # Timings vary run to run: kept beside the engine (a dotfile the image does not ship), not in
@@ -118,7 +121,7 @@ def _verify(out_dir: Path, data: dict, params: EngineParams, texts, expected) ->
     from .engine import Engine
 
     got = Engine.from_info(out_dir, data, params).embed_texts(texts)
-    return round(min(cosine(a, b) for a, b in zip(got, expected, strict=True)), 6)
+    return min(cosine(a, b) for a, b in zip(got, expected, strict=True))
 
 
 def cosine(a, b) -> float:

@@ -135,7 +135,8 @@ def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) ->
         pass
     ref_path = out_dir / REFERENCE_JSON
     ref = json.loads(ref_path.read_text()) if ref_path.is_file() else {}
+    # Verified as the original was: an engine compiled without the check (a chat model) has no figure.
     compile_engine(model_dir, target, params, image=data.get("image"), reference_texts=ref.get("texts"),
-                   min_cosine=ref.get("min_cosine", DEFAULT_MIN_COSINE),
+                   verify="engine_min_cosine" in ref, min_cosine=ref.get("min_cosine", DEFAULT_MIN_COSINE),
                    extra={"recompiled_from": str(out_dir.resolve()), "recompile_reason": err.message})
     return target, check(target, facts)

@@ -51,6 +51,10 @@ def test_host_descriptors_and_runtime_registry_agree():
     assert sorted(host) == sorted(BACKENDS)
     for name, spec in host.items():
         assert spec.own_server == BACKENDS[name].own_server, name
+        # The guard skips comparing the backend's version exactly when it is torch's.
+        assert (spec.version_axis == "torch") == BACKENDS[name].version_is_torch, name
+        # compile.sh passes --attention (the inductor group) only to backends that take causal attention.
+        assert ("inductor" in spec.compile_options) == BACKENDS[name].causal_attention, name
         assert (REPO / "templates" / spec.runtime_template).is_file(), spec.runtime_template
         assert spec.verify == (name != "tensorrt-llm")  # only the chat backend skips the accuracy check
     assert host["torch-aot"].version_axis == "torch" and host["vllm"].version_axis == "vllm"

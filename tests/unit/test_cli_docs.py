@@ -49,3 +49,22 @@ def test_every_mopt_variable_is_documented():
     assert len(variables) > 20  # the scan finds the code's variables at all
     missing = sorted(variables - documented)
     assert not missing, f"MOPT_* variables the code reads but docs/cli.md does not list: {missing}"
+
+
+def test_serve_options_take_their_variable_and_a_bad_value_is_one_usage_error(monkeypatch, capsys):
+    import pytest
+
+    from builder.runtime.__main__ import build_parser
+
+    monkeypatch.setenv("MOPT_PORT", "8123")
+    monkeypatch.setenv("MOPT_MAX_WAIT_MS", "2.5")
+    args = build_parser().parse_args(["serve", "--engine-dir", "/e"])
+    assert (args.port, args.max_wait_ms, args.max_inputs) == (8123, 2.5, 256)
+    assert build_parser().parse_args(["serve", "--engine-dir", "/e", "--port", "9"]).port == 9  # the flag wins
+    monkeypatch.setenv("MOPT_PORT", "eighty")
+    build_parser().parse_args(["check", "--engine-dir", "/e"])  # other commands do not read it
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--engine-dir", "/e"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --port: 'eighty' is not a valid int (given as the option or by MOPT_PORT)" in err

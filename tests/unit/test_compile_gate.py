@@ -132,6 +132,23 @@ def test_a_refused_recompile_leaves_no_earlier_engine_behind(backend, model, tmp
     assert not (out / fingerprint.ENGINE_JSON).exists() and not (out / fingerprint.ENGINE_SUBDIR).exists()
 
 
+def test_the_gate_compares_the_exact_figure_not_the_rounded_one(backend, model, tmp_path):
+    backend.cosine = 0.9899996  # 0.99 when rounded to 6 places, as engine.json records it
+    with pytest.raises(CompileError) as err:
+        compile_engine(model, tmp_path / "out", gate_params(), min_cosine=0.99)
+    assert "reaches cosine 0.98999" in err.value.message and "below --min-cosine 0.99" in err.value.message
+
+
+def test_a_refused_compile_leaves_no_earlier_reference_or_stats(backend, model, tmp_path):
+    out = tmp_path / "out"
+    compile_engine(model, out, gate_params())
+    assert (out / "reference.json").is_file() and (out / ".compile-stats.json").is_file()
+    backend.cosine = 0.5
+    with pytest.raises(CompileError):
+        compile_engine(model, out, gate_params())
+    assert not (out / "reference.json").exists() and not (out / ".compile-stats.json").exists()
+
+
 def test_without_verify_there_is_no_figure_to_gate(backend, model, tmp_path):
     backend.cosine = 0.1
     summary = compile_engine(model, tmp_path / "out", gate_params(), verify=False, min_cosine=0.99)

@@ -89,7 +89,7 @@ class FakeRegistry:
 
 
 class FakeDocker:
-    """Stands in for builder.publish.run_docker: image inspect, tag, rmi and push (into FakeRegistry)."""
+    """Stands in for builder.registry.push.run_docker: image inspect, tag, rmi and push (into FakeRegistry)."""
 
     def __init__(self, registry: FakeRegistry, events: list):
         self.registry, self.events = registry, events
@@ -530,6 +530,21 @@ def test_the_plan_says_what_each_long_tag_holds_and_changes_nothing(world):
     lost = by_id["lost:cpu"]  # could not be checked: nothing about it is known
     assert (lost.local, lost.remote_long, lost.same_image) == (None, None, False)
     assert "not found" in lost.error.message
+
+
+def test_a_real_run_stops_planning_at_the_first_item_it_cannot_publish(world, tmp_path):
+    items = [world.item("a"), world.item("b", image_id=_sha("gone")), world.item("c"), world.item("d")]
+    lookups = []
+    manifest = world.registry.manifest
+    world.registry.manifest = lambda repo, ref: lookups.append((repo, ref)) or manifest(repo, ref)
+    with pytest.raises(PublishError, match="b:cpu: local image"):
+        world.publish(items, tmp_path)
+    assert lookups == [("team/a", "1.0.0-cpu-abc123")]  # c and d never asked: a down registry fails fast
+    lookups.clear()
+    with pytest.raises(PublishError, match="dry run"):
+        world.publish(items, tmp_path, dry_run=True)
+    long_lookups = {repo for repo, ref in lookups if ref == "1.0.0-cpu-abc123"}
+    assert long_lookups == {"team/a", "team/c", "team/d"}  # the dry run goes on past b to list every problem
 
 
 # --------------------------------------------------------------------------- the local image

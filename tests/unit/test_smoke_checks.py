@@ -122,3 +122,11 @@ def test_accuracy_at_or_above_the_threshold_passes(min_cos, threshold):
 ])
 def test_accuracy_below_the_threshold_fails_with_the_figure(min_cos, threshold, message):
     assert failure(check_accuracy, min_cos, threshold) == message
+
+
+def test_nan_never_passes():
+    nan = float("nan")
+    with pytest.raises(SmokeTestError, match="cosine vs reference nan < threshold 0.99"):
+        check_accuracy(nan, 0.99)
+    with pytest.raises(SmokeTestError, match="differ by up to nan"):
+        check_deterministic([[1.0, nan]], [[1.0, nan]])

@@ -40,6 +40,11 @@ def error_of(text: str) -> str:
     # Errors raised while constructing values (after composing worked): still one line, with the line.
     ("a: 1\nb: !foo x\n", "f.yaml:2: malformed YAML: could not determine a constructor for the tag '!foo'"),
     ("a: !!int abc\n", "f.yaml: malformed YAML: invalid literal for int() with base 10: 'abc'"),
+    # Tags whose constructors fail with other exceptions: still one message, never a traceback.
+    ("a: !!bool maybe\n", "f.yaml: malformed YAML: a value its tag cannot hold (KeyError: 'maybe')"),
+    ("a: !!int\n", "f.yaml: malformed YAML: a value its tag cannot hold (IndexError: string index out of range)"),
+    ('a: !!timestamp ""\n', "f.yaml: malformed YAML: a value its tag cannot hold (AttributeError: 'NoneType' "
+                             "object has no attribute 'groupdict')"),
     ("", "f.yaml: the file is empty"),
     ("# only a comment\n", "f.yaml: the file is empty"),
     ("a:\n  b: 1\n  b: 2\n", "f.yaml:3: duplicate key 'b'"),
@@ -92,7 +97,7 @@ def test_load_yaml_file_errors(tmp_path):
         load_yaml(tmp_path / "dir.yaml", display="dir.yaml")
 
 
-def test_load_yaml_reads_utf8(tmp_path):
+def test_load_yaml_reads_utf8(tmp_path, ascii_locale):
     path = tmp_path / "u.yaml"
     path.write_bytes("name: café ☕\n".encode())
     doc = load_yaml(path, display="u.yaml")

@@ -38,7 +38,7 @@ class EngineBackend(Protocol):
         """Write the engine into out_dir; return {"artifact", "embedding_dim", "export_dims", "fingerprint"?}."""
 
     def load(self, engine_dir: str | Path, params: EngineParams) -> EngineCall:
-        """The compiled engine as a callable (own-server backends raise: their server loads it)."""
+        """The compiled engine as a callable (tensorrt-llm raises: trtllm-serve loads its engine)."""
 
     def reference(self, model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
         """fp32 eager embeddings of texts, the accuracy ground truth ([] for a chat model)."""
