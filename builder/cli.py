@@ -217,8 +217,8 @@ def hermetic_options(fn):
 def base(matrix_path: str, names: tuple[str, ...], state_dir: Path) -> None:
     """Build the rootfs base images that cannot be pulled (mmdebstrap, SOURCE_DATE_EPOCH) and record digests."""
     from . import base as base_module
-    from .state import StateDir
     from .dockerclient import find_docker
+    from .state import StateDir
 
     matrix = _load(matrix_path)
     wanted = [b for b in matrix.bases.values() if b.kind == "rootfs" and (not names or b.name in names)]
