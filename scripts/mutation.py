@@ -129,6 +129,9 @@ def sync_mutants_copy(files: list[str]) -> None:
     if not mutants.is_dir():
         return  # the first run copies everything itself
     mutated = {f for t in load_config()[0] for f in t.files}
+    for rel in mutated:  # a file that became a target: its plain copy must go, or mutmut never mutates it
+        if not (mutants / f"{rel}.meta").exists():
+            (mutants / rel).unlink(missing_ok=True)
     for rel in files:
         if rel in mutated or not (rel.startswith("builder/") or rel.split("/")[0] in ALSO_COPY):
             continue

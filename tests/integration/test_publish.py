@@ -2,7 +2,8 @@
 
 Nothing is pulled: the two images are `docker import`s of one-file tars. Each test gets its own
 LocalRegistry (tmp dir, free port, user/password) and its own DOCKER_CONFIG directory.
-The Bearer-token flow and HTTP retries are checked against a tiny in-process fake registry.
+The registry client's pure parts (parsing, push output, the Bearer flow against an in-process fake
+registry, credentials) are unit tests: tests/unit/test_registry_client.py.
 """
 from __future__ import annotations
 
@@ -10,27 +11,22 @@ import base64
 import hashlib
 import io
 import json
-import os
 import secrets
 import shutil
 import subprocess
 import tarfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import requests
 
 from builder.dockerclient import DockerCli, find_docker, run_docker
-from builder.errors import ConfigError, EnvironmentProblem, PublishError
+from builder.errors import EnvironmentProblem, PublishError
 from builder.localregistry import LocalRegistry, docker_login
-from builder.registry import api as api_mod
 from builder.registry import push as push_mod
-from builder.registry.api import ACCEPT, MANIFEST_TYPES, RegistryApi
-from builder.registry.credentials import Credentials, docker_config_dir, load_credentials
+from builder.registry.api import ACCEPT
 from builder.registry.phases import PublishItem, publish
-from builder.registry.push import classify_push_output, docker_push
+from builder.registry.push import docker_push
 from builder.registry.reference import Registry
 
 pytestmark = pytest.mark.integration
@@ -327,155 +323,3 @@ def test_dry_run_pushes_nothing(docker, images, registry, docker_config):
     log = Lines()
     [again] = publish([_item(id_a)], reg, docker_config=str(docker_config), dry_run=True, log=log)
     assert again.skipped and again.references == () and done.digest in log.text()
-
-
-# --------------------------------------------------------------------------- Registry.parse
-@pytest.mark.parametrize("text, host, namespace", [
-    ("127.0.0.1:5000", "127.0.0.1:5000", None),
-    ("127.0.0.1:5000/team", "127.0.0.1:5000", "team"),
-    ("localhost/team/sub", "localhost", "team/sub"),
-    ("ghcr.io/acme", "ghcr.io", "acme"),
-    ("Registry.Example.com:443/a-b_c.d/", "registry.example.com:443", "a-b_c.d"),
-    ("[::1]:5000/x", "[::1]:5000", "x"),
-])
-def test_registry_parse_accepts(text, host, namespace):
-    reg = Registry.parse(text)
-    assert (reg.host, reg.namespace) == (host, namespace)
-
-
-@pytest.mark.parametrize("text, why", [
-    ("", "empty"),
-    ("   ", "empty"),
-    ("http://127.0.0.1:5000", "scheme"),
-    ("127.0.0.1:5000/Team", "namespace"),
-    ("127.0.0.1:5000/team//x", "namespace"),
-    ("127.0.0.1:notaport", "port"),
-    ("127.0.0.1:0", "port"),
-    ("127.0.0.1:70000", "port"),
-    ("127.0.0.1:", "empty port"),
-    ("team", "Docker Hub namespace"),
-    ("my registry:5000", "whitespace"),
-    ("127.0.0.1:5000/team/img@sha256:abc", "'@'"),
-    ("-bad-.example.com", "not a valid host"),
-    ("127.0.0.1:5000/team:tag", "namespace"),
-])
-def test_registry_parse_rejects_junk(text, why):
-    with pytest.raises(ConfigError) as exc:
-        Registry.parse(text)
-    assert exc.value.exit_code == 2 and why in str(exc.value)
-
-
-def test_registry_reference():
-    assert Registry.parse("127.0.0.1:5000/team").reference("mopt/minilm-embed", "1.0") == \
-        "127.0.0.1:5000/team/minilm-embed:1.0"
-    assert Registry.parse("127.0.0.1:5000").reference("mopt/minilm-embed", "1.0") == \
-        "127.0.0.1:5000/mopt/minilm-embed:1.0"
-    with pytest.raises(ConfigError):
-        Registry.parse("127.0.0.1:5000").reference("mopt/minilm-embed", "bad tag")
-
-
-def test_classify_push_output():
-    ok = ("The push refers to repository [127.0.0.1:5000/mopt/error-denied]\nb7f7163d07ed: Preparing\n"
-          "b7f7163d07ed: Pushed\n1.0: digest: sha256:" + "a" * 64 + " size: 523\n")
-    assert classify_push_output(ok) == "ok"
-    assert classify_push_output("b7f7163d07ed: Preparing\nno basic auth credentials") == "auth"
-    assert classify_push_output("denied: requested access to the resource is denied") == "auth"
-    assert classify_push_output("unauthorized: authentication required") == "auth"
-    assert classify_push_output('Put "http://h/v2/x/blobs/uploads/": EOF') == "transient"
-    assert classify_push_output("received unexpected HTTP status: 503 Service Unavailable") == "transient"
-    assert classify_push_output("An image does not exist locally with the tag: x") == "error"
-
-
-# --------------------------------------------------------------------------- Bearer flow (fake registry)
-class _FakeTokenRegistry(BaseHTTPRequestHandler):
-    """/v2/ with Bearer auth (token from /token with basic auth), one manifest, its blobs, one 503."""
-
-    state: dict = {}
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def _send(self, code: int, body: bytes = b"", headers: dict | None = None) -> None:
-        self.send_response(code)
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_GET(self):  # noqa: N802
-        st = self.state
-        if self.path.startswith("/token"):
-            expected = "Basic " + base64.b64encode(b"bob:pw").decode()
-            st["token_requests"].append(self.path)
-            if self.headers.get("Authorization") != expected:
-                return self._send(401)
-            return self._send(200, json.dumps({"token": "tok123"}).encode(),
-                              {"Content-Type": "application/json"})
-        if self.headers.get("Authorization") != "Bearer tok123":
-            realm = f"http://127.0.0.1:{self.server.server_address[1]}/token"
-            return self._send(401, b"{}", {"WWW-Authenticate": f'Bearer realm="{realm}",service="fake",'
-                                                                 f'scope="repository:team/tiny:pull"'})
-        if self.path == "/v2/team/tiny/manifests/1.0":
-            if st["fail_next"]:
-                st["fail_next"] -= 1
-                return self._send(503)
-            return self._send(200, st["manifest"], {"Content-Type": MANIFEST_TYPES[3],
-                                                    "Docker-Content-Digest": st["digest"]})
-        if self.path.startswith("/v2/team/tiny/blobs/"):
-            digest = self.path.rsplit("/", 1)[1]
-            if digest in st["blobs"]:
-                return self._send(200, b"x" * st["blobs"][digest])
-        return self._send(404, b'{"errors":[{"code":"MANIFEST_UNKNOWN"}]}')
-
-    do_HEAD = do_GET
-
-
-def test_bearer_token_flow_and_http_retries(monkeypatch):
-    monkeypatch.setattr(api_mod, "HTTP_WAIT_MULTIPLIER_S", 0.01)
-    cfg, layer = "sha256:" + "1" * 64, "sha256:" + "2" * 64
-    manifest = json.dumps({"schemaVersion": 2, "mediaType": MANIFEST_TYPES[3],
-                           "config": {"mediaType": "x", "size": 10, "digest": cfg},
-                           "layers": [{"mediaType": "y", "size": 20, "digest": layer}]}).encode()
-    digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
-    _FakeTokenRegistry.state = {"manifest": manifest, "digest": digest, "blobs": {cfg: 10, layer: 20},
-                                "fail_next": 2, "token_requests": []}
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeTokenRegistry)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        reg = Registry.parse(f"127.0.0.1:{server.server_address[1]}/team")
-        api = RegistryApi(reg, Credentials("test", "bob", "pw"), scheme="http")
-        m = api.verify("team/tiny", "1.0", digest)  # two 503s are retried, then the token flow
-        assert m.digest == digest
-        assert _FakeTokenRegistry.state["fail_next"] == 0
-        assert len(_FakeTokenRegistry.state["token_requests"]) == 1  # token cached per scope
-        assert "scope=repository%3Ateam%2Ftiny%3Apull" in _FakeTokenRegistry.state["token_requests"][0]
-        assert api.manifest("team/tiny", "nope") is None
-        del _FakeTokenRegistry.state["blobs"][layer]
-        with pytest.raises(PublishError, match="is missing"):
-            api.verify("team/tiny", "1.0", digest)
-        bad = RegistryApi(reg, Credentials("test", "bob", "wrong"), scheme="http")
-        with pytest.raises(PublishError, match="rejected the credentials") as exc:
-            bad.manifest("team/tiny", "1.0")
-        assert "wrong" not in str(exc.value)
-        nocreds = RegistryApi(reg, None, scheme="http", config_dir=Path("/nonexistent"))
-        with pytest.raises(PublishError, match="no credentials for registry"):
-            nocreds.manifest("team/tiny", "1.0")
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_credentials_come_from_docker_config_env(monkeypatch, tmp_path):
-    cfg = tmp_path / "cfg"
-    cfg.mkdir()
-    auth = base64.b64encode(b"alice:pw:with:colons").decode()
-    (cfg / "config.json").write_text(json.dumps({"auths": {"https://reg.example.com:5000": {"auth": auth}}}))
-    monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
-    reg = Registry.parse("reg.example.com:5000")
-    creds = load_credentials(reg, docker_config_dir())
-    assert creds is not None and (creds.username, creds.password) == ("alice", "pw:with:colons")
-    assert "pw:with" not in repr(creds)
-    assert load_credentials(Registry.parse("other.example.com"), cfg) is None
-    assert os.environ["DOCKER_CONFIG"] == str(cfg)
