@@ -108,8 +108,9 @@ def parse_yaml(text: str, file: str) -> YamlDocument:
     except (yaml.YAMLError, ValueError, TypeError) as exc:  # a tag it cannot construct: !foo, !!int abc
         raise _malformed(exc, file) from None
     except Exception as exc:  # noqa: BLE001 - PyYAML's constructors fail in other ways too (!!bool maybe)
-        raise ConfigError(f"malformed YAML: a value its tag cannot hold ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})", file=file) from None
+        detail = " ".join(str(exc).split())  # one line, whatever the exception printed
+        raise ConfigError(f"malformed YAML: a value its tag cannot hold ({type(exc).__name__}: {detail})",
+                          file=file) from None
     return YamlDocument(data, lines, file)
 
 
