@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from .dockerclient import DockerCli, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
+from .hashing import sha256_bytes, sha256_file
 
 KEY_VERSION = 1  # bump when the build recipe below changes in a way that changes the result
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -122,7 +122,7 @@ class BaseSpec:
             "slim": self.slim,
             "changes": list(self.changes),
         }
-        return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return sha256_bytes(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
 @dataclass(frozen=True)
@@ -197,14 +197,6 @@ def _image_info(docker: DockerCli, ref: str) -> dict | None:
         return json.loads(res.stdout)[0]
     except (ValueError, IndexError):
         return None
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @contextlib.contextmanager
@@ -394,7 +386,7 @@ def _build(spec: BaseSpec, spath: Path, docker: DockerCli, log: Log, tool: str |
             _build_rootfs_debootstrap(tool_path, spec, tarball, manifest, tmpdir, logfile, log)
         if not tarball.is_file():
             raise BuildError(f"{tool_name} produced no tarball; see {logfile}")
-        rootfs_sha = _sha256_file(tarball)
+        rootfs_sha = sha256_file(tarball)
         t_rootfs = time.monotonic() - t0
         log(f"base {spec.name}: rootfs {tarball.stat().st_size / 1e6:.0f} MB "
             f"(sha256 {rootfs_sha[:12]}) in {t_rootfs:.0f}s; importing")

@@ -1,11 +1,11 @@
 """Image recipes: images/<name>/image.yaml -> a frozen Recipe."""
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hashing import sha256_file
 from .yamlio import load_yaml, validate
 
 _SOURCE = re.compile(r"^(?P<kind>hf|local|package|generate):(?://)?(?P<ref>.+)$")
@@ -99,7 +99,7 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         license=data.get("license", ""),
         source_url=data.get("source_url", ""),
         path=path,
-        digest=hashlib.sha256(path.read_bytes()).hexdigest(),
+        digest=sha256_file(path),
         model=ModelSource.parse(model["source"]),
         dimension=model["dimension"],
         substitute=ModelSource.parse(substitute["source"]) if substitute else None,

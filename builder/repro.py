@@ -7,7 +7,6 @@ reported as ignored, never silently dropped.
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import subprocess
 import tarfile
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from dataclasses import replace
 from .build import Builder, BuildOptions
 from .dockerclient import DockerCli, find_docker, run_docker
 from .errors import BuildError
-from .hashing import dump_json
+from .hashing import dump_json, sha256_stream
 from .matrix import Matrix
 from .plan import Variant
 
@@ -44,11 +43,7 @@ def image_manifest(docker: DockerCli, image: str) -> dict[str, dict]:
                     entry = {"type": member.type.decode() if isinstance(member.type, bytes) else str(member.type),
                              "mode": oct(member.mode), "size": member.size, "uid": member.uid, "gid": member.gid}
                     if member.isfile():
-                        digest = hashlib.sha256()
-                        handle = tar.extractfile(member)
-                        while chunk := handle.read(1 << 20):
-                            digest.update(chunk)
-                        entry["sha256"] = digest.hexdigest()
+                        entry["sha256"] = sha256_stream(tar.extractfile(member))
                     elif member.issym() or member.islnk():
                         entry["link"] = member.linkname
                     entries[member.name.rstrip("/")] = entry

@@ -6,7 +6,6 @@ connection errors, 5xx and 429 are retried with bounded exponential back-off.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from tenacity import (
 )
 
 from ..errors import PublishError
+from ..hashing import sha256_bytes
 from .credentials import Credentials
 from .reference import Registry, is_loopback_host
 
@@ -238,7 +238,7 @@ class RegistryApi:
         if resp.status_code != 200:
             raise PublishError(f"GET manifest {repo}:{reference} from {self.registry.host} answered "
                                f"HTTP {resp.status_code}: {resp.text[:200]}")
-        body_digest = "sha256:" + hashlib.sha256(resp.content).hexdigest()
+        body_digest = "sha256:" + sha256_bytes(resp.content)
         header = resp.headers.get("Docker-Content-Digest", "")
         if header and header != body_digest:
             raise PublishError(f"manifest {repo}:{reference}: Docker-Content-Digest {header} does not match "
