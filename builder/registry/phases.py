@@ -25,7 +25,7 @@ from ..dockerclient import DockerCli, find_docker
 from ..errors import PublishError
 from .api import Manifest, RegistryApi, config_digests
 from .credentials import docker_config_dir, load_credentials
-from .push import LocalImage, LocalTags, docker_push, inspect_image, local_tags
+from .push import LocalImage, docker_push, inspect_image, local_tags
 from .reference import Registry
 
 Log = Callable[[str], None]
@@ -100,7 +100,7 @@ def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: 
         planned = plan(items, registry, api, cli, stop_at_first_error=not dry_run)
         if dry_run:
             return _dry_run(planned, api, log)
-        return _publish(planned, registry, api, cli, config_dir, secrets, log)
+        return _publish(planned, api, cli, config_dir, secrets, log)
     finally:
         api.close()
 
@@ -209,21 +209,29 @@ def _dry_run(planned: list[PlannedItem], api: RegistryApi, log: Log) -> list[Pub
     return results
 
 
-def _publish(planned: list[PlannedItem], registry: Registry, api: RegistryApi, cli: DockerCli,
-             config_dir: Path, secrets: list[str], log: Log) -> list[PublishResult]:
+def _publish(planned: list[PlannedItem], api: RegistryApi, cli: DockerCli, config_dir: Path, secrets: list[str],
+             log: Log) -> list[PublishResult]:
     refused = next((p for p in planned if p.error is not None), None)
     if refused is not None:  # phase 0: refuse before pushing anything
         raise fail(refused.error, refused.item, [], [], moving_short_tags=False) from None
     verified: list[tuple[PlannedItem, str, bool, list[str]]] = []
     with local_tags(cli, log) as tags:
+
+        def push(local: LocalImage, ref: str) -> str:
+            tags.tag(local.id, ref)
+            return docker_push(cli, ref, config_dir, log=log, redact=secrets, auth_retries=1)
+
         for p in planned:  # phase 1: push and verify every long (immutable) tag
-            digest, skipped, pushed = _long_tag(p, api, tags, cli, config_dir, secrets, log, verified, registry)
+            try:
+                digest, skipped, pushed = _long_tag(p, api, push, log)
+            except PublishError as exc:
+                raise fail(exc, p.item, [], [v[0].refs.long for v in verified], moving_short_tags=False) from None
             verified.append((p, digest, skipped, pushed))
         log(f"all {len(verified)} long tags verified; moving the short tags")
         results: list[PublishResult] = []
         for p, digest, skipped, pushed in verified:  # phase 2: only now move the short (moving) tags
             try:
-                _short_tag(p, digest, api, tags, cli, config_dir, secrets, log, pushed)
+                _short_tag(p, digest, api, push, log, pushed)
             except PublishError as exc:
                 raise fail(exc, p.item, results, [], moving_short_tags=True) from None
             log(f"  verified {p.refs.short} = {digest}")
@@ -231,39 +239,33 @@ def _publish(planned: list[PlannedItem], registry: Registry, api: RegistryApi, c
     return results
 
 
-def _long_tag(p: PlannedItem, api: RegistryApi, tags: LocalTags, cli: DockerCli, config_dir: Path,
-              secrets: list[str], log: Log, verified: list, registry: Registry) -> tuple[str, bool, list[str]]:
+Push = Callable[[LocalImage, str], str]  # tag the local image as ref, docker push it: the pushed digest
+
+
+def _long_tag(p: PlannedItem, api: RegistryApi, push: Push, log: Log) -> tuple[str, bool, list[str]]:
     log(f"publish {p.item.variant_id}: {p.local.id} -> {p.refs.long}")
     pushed: list[str] = []
-    try:
-        remote = api.manifest(p.refs.repo, p.item.long_tag)  # again: another publisher may have raced us
-        if remote is None:
-            tags.tag(p.local.id, p.refs.long)
-            digest = docker_push(cli, p.refs.long, config_dir, log=log, redact=secrets, auth_retries=1)
-            pushed.append(p.refs.long)
-            skipped = False
-        elif same_image(api, p.refs.repo, remote, p.local, p.refs.name):
-            digest, skipped = remote.digest, True
-            log(f"  {p.refs.long} already points at {digest} (this image): not pushed again")
-        else:
-            raise immutable_refusal(p.refs.long, remote, p.local)
-        api.verify(p.refs.repo, p.item.long_tag, digest)
-    except PublishError as exc:
-        done = [registry.reference(v[0].item.repository, v[0].item.long_tag) for v in verified]
-        raise fail(exc, p.item, [], done, moving_short_tags=False) from None
+    remote = api.manifest(p.refs.repo, p.item.long_tag)  # again: another publisher may have raced us
+    if remote is None:
+        digest, skipped = push(p.local, p.refs.long), False
+        pushed.append(p.refs.long)
+    elif same_image(api, p.refs.repo, remote, p.local, p.refs.name):
+        digest, skipped = remote.digest, True
+        log(f"  {p.refs.long} already points at {digest} (this image): not pushed again")
+    else:
+        raise immutable_refusal(p.refs.long, remote, p.local)
+    api.verify(p.refs.repo, p.item.long_tag, digest)
     log(f"  verified {p.refs.long} = {digest} (manifest and all blobs present)")
     return digest, skipped, pushed
 
 
-def _short_tag(p: PlannedItem, digest: str, api: RegistryApi, tags: LocalTags, cli: DockerCli, config_dir: Path,
-               secrets: list[str], log: Log, pushed: list[str]) -> None:
+def _short_tag(p: PlannedItem, digest: str, api: RegistryApi, push: Push, log: Log, pushed: list[str]) -> None:
     remote = api.manifest(p.refs.repo, p.item.short_tag)
     if remote is not None and remote.digest == digest:
         log(f"  {p.refs.short} already points at {digest}")
     else:
         was = remote.digest if remote else "absent"
-        tags.tag(p.local.id, p.refs.short)
-        short_digest = docker_push(cli, p.refs.short, config_dir, log=log, redact=secrets, auth_retries=1)
+        short_digest = push(p.local, p.refs.short)
         pushed.append(p.refs.short)
         if short_digest != digest:
             raise PublishError(f"{p.refs.short} was pushed as {short_digest}, but the verified long tag is {digest}")
