@@ -122,13 +122,13 @@ def sync_work_copy(files: list[str]) -> None:
         venv.symlink_to(REPO / ".venv")
 
 
-def sync_mutants_copy(files: list[str]) -> None:
+def sync_mutants_copy(files: list[str], targets: list[Target]) -> None:
     """mutmut copies the source tree and ALSO_COPY once and then only regenerates the mutated modules:
     bring every other file (schemas, data, templates, tests) in its copy up to date with the tree."""
     mutants = WORK / "mutants"
     if not mutants.is_dir():
         return  # the first run copies everything itself
-    mutated = {f for t in load_config()[0] for f in t.files}
+    mutated = {f for t in targets for f in t.files}
     for rel in mutated:  # a file that became a target: its plain copy must go, or mutmut never mutates it
         if not (mutants / f"{rel}.meta").exists():
             (mutants / rel).unlink(missing_ok=True)
@@ -193,10 +193,7 @@ def results() -> tuple[dict[str, str], dict[str, str]]:
 
 def all_mutants(targets: list[Target]) -> list[str]:
     """Every mutant name mutmut generated for the targets' files."""
-    names = []
-    for meta in (WORK / "mutants").rglob("*.meta"):
-        names += json.loads(meta.read_text())["exit_code_by_key"].keys()
-    return sorted(n for n in names if any(t.owns(n) for t in targets))
+    return sorted(n for n in results()[0] if any(t.owns(n) for t in targets))
 
 
 _DIFFS = r"""
@@ -269,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(WORK / "mutants", ignore_errors=True)
     files = tracked_files()
     sync_work_copy(files)
-    sync_mutants_copy(files)
+    sync_mutants_copy(files, targets)
     forget_survivors()
     try:
         write_mutmut_config(targets, tests, do_not_mutate)
