@@ -103,7 +103,8 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
         ref["engine_min_cosine"] = round(got, 6)  # recorded rounded; the gate compares the exact figure
         if not got >= min_cosine:  # NaN too
             shutil.rmtree(engine_dir, ignore_errors=True)  # no engine.json yet: nothing half-built stays
-            shown = round(got, 6) if round(got, 6) < min_cosine else got  # rounding must not hide the miss
+            # The rounded figure, unless rounding would hide the miss (0.9899996 against 0.99).
+            shown = ref["engine_min_cosine"] if ref["engine_min_cosine"] < min_cosine else got
             raise CompileError(f"the {params.backend} engine of {model_dir} reaches cosine {shown} vs the fp32 "
                                f"reference, below --min-cosine {min_cosine}: refused, no engine written")
     (out_dir / REFERENCE_JSON).write_text(json.dumps(ref) + "\n")
