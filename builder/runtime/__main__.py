@@ -156,7 +156,8 @@ def cmd_serve(a) -> None:
     from .backends import backend_info, get_backend
     from .engine import Engine
     from .guard import resolve
-    from .server import EmbeddingService, ServerLimits, serve
+    from .server import serve
+    from .service import EmbeddingService, ServerLimits
 
     info = fingerprint.read(a.engine_dir)
     if backend_info(info["backend"]).own_server:  # vllm, tensorrt-llm: the guard, then their OpenAI server

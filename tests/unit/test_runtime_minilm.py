@@ -162,7 +162,8 @@ def test_serve_cli_refuses_mismatch_before_loading(engine, tmp_path):
 @pytest.fixture(scope="module")
 def server(engine):
     from builder.runtime.engine import Engine
-    from builder.runtime.server import EmbeddingService, ServerLimits, make_server
+    from builder.runtime.server import make_server
+    from builder.runtime.service import EmbeddingService, ServerLimits
 
     limits = ServerLimits(max_batch=8, max_wait_ms=100, max_inputs=4, max_input_tokens=32,
                           max_body_bytes=20_000)
@@ -263,7 +264,8 @@ def test_a_burst_of_connections_waits_in_the_backlog(engine):
     import time
 
     from builder.runtime.engine import Engine
-    from builder.runtime.server import EmbeddingService, ServerLimits, make_server
+    from builder.runtime.server import make_server
+    from builder.runtime.service import EmbeddingService, ServerLimits
 
     service = EmbeddingService(Engine.open(engine[0]), ServerLimits(max_batch=8, max_wait_ms=5, max_inputs=4,
                                                                      max_input_tokens=32, max_body_bytes=20_000))
@@ -364,7 +366,7 @@ def test_worker_fails_a_bad_batch_and_lives_on(worker, engine):
 
 
 def test_service_reports_a_dead_worker(engine):
-    from builder.runtime.server import ApiError, EmbeddingService, ServerLimits
+    from builder.runtime.service import ApiError, EmbeddingService, ServerLimits
     from builder.runtime.worker import EngineProcess
 
     proc = EngineProcess(engine[0]).start()

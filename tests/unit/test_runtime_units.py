@@ -16,7 +16,7 @@ from builder.runtime.errors import GuardError, UsageError  # noqa: E402
 from builder.runtime.hostinfo import HostFacts, host_facts  # noqa: E402
 from builder.runtime.metrics import Metrics  # noqa: E402
 from builder.runtime.params import EngineParams  # noqa: E402
-from builder.runtime.server import ApiError, parse_inputs  # noqa: E402
+from builder.runtime.service import ApiError, parse_inputs  # noqa: E402
 
 pytestmark = pytest.mark.runtime
 

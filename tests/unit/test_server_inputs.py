@@ -14,7 +14,8 @@ import threading
 import pytest
 
 from builder.runtime.params import EngineParams
-from builder.runtime.server import ApiError, EmbeddingHTTPServer, EmbeddingService, Handler, ServerLimits, parse_inputs
+from builder.runtime.server import EmbeddingHTTPServer, Handler
+from builder.runtime.service import ApiError, EmbeddingService, ServerLimits, parse_inputs
 
 WAIT = 5  # seconds any request may take before the test fails
 
