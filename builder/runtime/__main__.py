@@ -39,6 +39,20 @@ def _env_argument(parser: argparse.ArgumentParser, command: str, flag: str, env:
     return parser.add_argument(flag, default=value if value not in (None, "") else default, **kwargs)
 
 
+# --- H2 flags ---
+def _bool_text(text: str) -> bool:
+    """A boolean given as text (an environment variable): 1/true/yes/on or 0/false/no/off."""
+    value = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+             "off": False}.get(str(text).strip().lower())
+    if value is None:
+        raise ValueError(text)
+    return value
+
+
+_bool_text.__name__ = "boolean"
+# --- end H2 flags ---
+
+
 def _load_json_arg(flag: str, text: str | None, expect: type):
     if text is None:
         return None
@@ -83,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-cosine", type=float, default=None,
                    help="refuse (exit 4) an engine whose cosine vs the reference is lower (default 0.99; "
                         "needs --verify)")
+    # --- H2 flags ---
+    c.add_argument("--matryoshka-min-dim", type=int, default=None,
+                   help="the model serves Matryoshka dimensions from this one up to the full one "
+                        "(Qwen3-Embedding: 32); requests' 'dimensions' truncate and re-normalise")
+    # --- end H2 flags ---
     t = c.add_argument_group("tensorrt", "optimisation profile and builder options (--backend tensorrt)")
     t.add_argument("--trt-min-batch", type=int, default=1)
     t.add_argument("--trt-opt-batch", type=int, default=0, help="0: --max-batch")
@@ -114,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
                   help="tokens per input; default and ceiling: the engine's max_seq_len")
     _env_argument(s, "serve", "--max-body-bytes", "MOPT_MAX_BODY_BYTES", type=int, default=4 << 20,
                   help="request body size")
+    # --- H2 flags ---
+    _env_argument(s, "serve", "--max-input-chars", "MOPT_MAX_INPUT_CHARS", type=int, default=None,
+                  help="characters per input, checked before tokenizing (default: 8 x the token limit)")
+    _env_argument(s, "serve", "--max-request-tokens", "MOPT_MAX_REQUEST_TOKENS", type=int, default=131072,
+                  help="tokens per request, all inputs together")
+    _env_argument(s, "serve", "--max-queue-tokens", "MOPT_MAX_QUEUE_TOKENS", type=int, default=262144,
+                  help="tokens waiting for the engine; beyond: 503 with Retry-After")
+    _env_argument(s, "serve", "--auto-truncate", "MOPT_AUTO_TRUNCATE", type=_bool_text, default=False,
+                  action=argparse.BooleanOptionalAction,
+                  help="truncate over-long inputs when a request does not say (default off: a silent cut "
+                       "changes the embedding, so over-long input is a 400)")
+    # --- end H2 flags ---
 
     t = sub.add_parser("make-tiny-qwen3", help="write a tiny random Qwen3 checkpoint + tokenizer")
     t.add_argument("--out", required=True)
@@ -133,7 +164,7 @@ def cmd_compile(a) -> dict:
     params = EngineParams(backend=a.backend, device=a.device, precision=a.precision, max_batch=a.max_batch,
                           max_seq_len=a.max_seq_len, pooling=a.pooling, normalize=a.normalize,
                           instruction=a.instruction, model_dir=str(model.resolve()), compile_mode=a.compile_mode,
-                          attention=a.attention,
+                          attention=a.attention, matryoshka_min_dim=a.matryoshka_min_dim,
                           model_name=a.model_name or (image or {}).get("repository") or model.resolve().name,
                           **{k: getattr(a, k) for k in vars(a) if k.startswith("trt_")})
     min_cosine = DEFAULT_MIN_COSINE if a.min_cosine is None else a.min_cosine
@@ -166,7 +197,9 @@ def cmd_serve(a) -> None:
         return
     limits = ServerLimits(max_batch=a.max_batch or info["params"]["max_batch"], max_wait_ms=a.max_wait_ms,
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
-                          max_body_bytes=a.max_body_bytes)
+                          max_body_bytes=a.max_body_bytes, max_input_chars=a.max_input_chars,
+                          max_request_tokens=a.max_request_tokens, max_queue_tokens=a.max_queue_tokens,
+                          auto_truncate=a.auto_truncate)
     if limits.max_batch < 1 or limits.max_inputs < 1:
         raise UsageError("--max-batch and --max-inputs must be >= 1")
     if a.engine_process:  # the guard, the load and the forward passes in a worker (worker.py says why)

@@ -1,80 +1,229 @@
-"""Dynamic batching: one worker thread gathers queued requests up to max_batch inputs or
-max_wait_ms, then makes one engine call, so concurrent small requests share a forward pass."""
+"""Dynamic batching with a bounded queue and fair scheduling.
+
+One worker thread makes every engine call. A request is a job; each engine call takes up to
+max_batch inputs, gathered for at most max_wait_ms, so concurrent small requests share a forward
+pass and a large request is split into chunks of at most max_batch inputs.
+
+Scheduling: shortest remaining work first. Each batch is filled from the jobs with the fewest
+inputs left, so a small request is taken in the next batch instead of waiting behind every chunk
+of earlier large ones (FIFO made a one-input request wait 34 s behind four large ones). A large job
+still gets whatever room the small ones leave, and a job passed over MAX_SKIPS batches in a row
+goes first, so a stream of small requests cannot starve it for longer than that.
+
+Dropping: before each batch, jobs whose deadline passed, whose client left (client_gone()) or whose
+future was cancelled are removed; their remaining inputs never reach the engine.
+"""
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
+
+MAX_SKIPS = 8  # batches a waiting job may be passed over before it goes first
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"the queue is full; retry after {retry_after}s")
+        self.retry_after = retry_after
+
+
+class Dropped(Exception):
+    """A job removed from the queue before its work reached the engine: reason 'timeout' or 'client_gone'."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Job:
+    __slots__ = ("seqs", "fut", "deadline", "client_gone", "order", "next", "done", "results", "tokens",
+                 "skipped", "seq_no")
+
+    def __init__(self, seqs, fut, deadline, client_gone, seq_no):
+        self.seqs, self.fut, self.deadline, self.client_gone, self.seq_no = seqs, fut, deadline, client_gone, seq_no
+        # Chunks in length order: inputs of similar length share an engine call, so padding stays small.
+        self.order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        self.next = 0  # inputs of self.order already sent to the engine
+        self.done = 0
+        self.results: list = [None] * len(seqs)
+        self.tokens = sum(len(s) for s in seqs)
+        self.skipped = 0
+
+    @property
+    def left(self) -> int:
+        return len(self.seqs) - self.next
+
+    def drop_reason(self, now: float) -> str | None:
+        if self.fut.done():  # cancelled by the waiting request, or failed by an earlier batch
+            return "cancelled"
+        if self.deadline is not None and now >= self.deadline:
+            return "timeout"
+        if self.client_gone is not None:
+            try:
+                if self.client_gone():
+                    return "client_gone"
+            except Exception:  # noqa: BLE001  (a broken probe must not stop the worker)
+                return None
+        return None
+
+
+def _settle(fut: Future, result=None, exc: BaseException | None = None) -> None:
+    # The waiting request may cancel its future at any moment: a settled future is left as it is.
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class Batcher:
-    def __init__(self, embed_ids, max_batch: int, max_wait_ms: float, metrics=None):
+    def __init__(self, embed_ids, max_batch: int, max_wait_ms: float, metrics=None,
+                 max_queue_tokens: int | None = None):
         self._embed = embed_ids
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
         self.metrics = metrics
-        self._q: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self.max_queue_tokens = max_queue_tokens
+        self._jobs: list[_Job] = []  # jobs with inputs not yet sent to the engine
+        self._queued_tokens = 0  # tokens of those inputs
+        self._seq = 0
+        self._rate = 0.0  # tokens per second of recent engine calls, for Retry-After
+        self._cond = threading.Condition()
+        self._stop = False
         self._thread = threading.Thread(target=self._loop, name="mopt-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, seqs: list[list[int]]) -> Future:
+    # --- called by request threads ------------------------------------------------------------------
+
+    def submit(self, seqs: list[list[int]], deadline: float | None = None, client_gone=None) -> Future:
+        """Queue one request; its future gets the vectors in input order. Raises QueueFull when the
+        queue holds max_queue_tokens already (an empty queue takes any request)."""
         fut: Future = Future()
-        with self._lock:
-            self._pending += len(seqs)
+        with self._cond:
+            job = _Job(seqs, fut, deadline, client_gone, self._seq)
+            if (self.max_queue_tokens is not None and self._jobs
+                    and self._queued_tokens + job.tokens > self.max_queue_tokens):
+                raise QueueFull(self._retry_after())
+            self._seq += 1
+            self._jobs.append(job)
+            self._queued_tokens += job.tokens
             self._report()
-        self._q.put((seqs, fut))
+            self._cond.notify()
         return fut
+
+    def _retry_after(self) -> int:
+        # Seconds to drain the queue at the recent engine rate, 1..30 (1 before any batch ran).
+        if self._rate <= 0:
+            return 1
+        return int(min(30, max(1, round(self._queued_tokens / self._rate))))
 
     def _report(self) -> None:
         if self.metrics:
-            self.metrics.set_queue_depth(self._pending)
+            self.metrics.set_queue_depth(sum(j.left for j in self._jobs))
 
-    def _gather(self):
-        try:
-            first = self._q.get(timeout=0.1)
-        except queue.Empty:
-            return []
-        items, count = [first], len(first[0])
-        deadline = time.monotonic() + self.max_wait
-        while count < self.max_batch:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                item = self._q.get(timeout=left)
-            except queue.Empty:
-                break
-            items.append(item)
-            count += len(item[0])
-        return items
+    # --- the worker ---------------------------------------------------------------------------------
+
+    def _drop_dead(self, now: float) -> None:
+        """Remove jobs that must not reach the engine; caller holds the lock."""
+        keep = []
+        for job in self._jobs:
+            reason = job.drop_reason(now)
+            if reason is None:
+                keep.append(job)
+                continue
+            self._queued_tokens -= sum(len(job.seqs[i]) for i in job.order[job.next:])
+            if reason != "cancelled":
+                _settle(job.fut, exc=Dropped(reason))
+        if len(keep) != len(self._jobs):
+            self._jobs = keep
+            self._report()
+
+    def _take(self) -> list[tuple[_Job, list[int]]]:
+        """Pick up to max_batch inputs, the jobs with the least work left first; caller holds the lock."""
+        # Jobs passed over MAX_SKIPS times first, oldest first; then the least work left.
+        ranked = sorted(self._jobs, key=lambda j: (0, 0, j.seq_no) if j.skipped >= MAX_SKIPS else (1, j.left, j.seq_no))
+        batch, room = [], self.max_batch
+        for job in ranked:
+            if room == 0:
+                job.skipped += 1
+                continue
+            n = min(room, job.left)
+            idx = job.order[job.next:job.next + n]
+            job.next += n
+            job.skipped = 0
+            room -= n
+            self._queued_tokens -= sum(len(job.seqs[i]) for i in idx)
+            batch.append((job, idx))
+        self._jobs = [j for j in self._jobs if j.left]
+        self._report()
+        return batch
+
+    def _gather(self) -> list[tuple[_Job, list[int]]]:
+        with self._cond:
+            self._drop_dead(time.monotonic())
+            if not self._jobs:
+                if self._stop:
+                    return []
+                self._cond.wait(0.1)
+                self._drop_dead(time.monotonic())
+                if not self._jobs:
+                    return []
+            # Wait up to max_wait for a full batch; not when closing, nor for the rest of a request
+            # already under way (its chunks go back to back).
+            until = time.monotonic() + self.max_wait
+            while (not self._stop and sum(j.left for j in self._jobs) < self.max_batch
+                   and not any(j.next for j in self._jobs)):
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.1))
+                self._drop_dead(time.monotonic())
+            if not self._jobs:
+                return []
+            return self._take()
 
     def _loop(self) -> None:
         # On close, finish what is queued so no request waits forever.
-        while not (self._stop.is_set() and self._q.empty()):
-            items = self._gather()
-            if not items:
+        while True:
+            batch = self._gather()
+            if not batch:
+                with self._cond:
+                    if self._stop and not self._jobs:
+                        return
                 continue
-            flat = [s for seqs, _ in items for s in seqs]
-            with self._lock:
-                self._pending -= len(flat)
-                self._report()
-            try:
-                out = self._embed(flat)
-            except Exception as exc:  # fail these requests, keep the worker alive
-                for _, fut in items:
-                    fut.set_exception(exc)
-                continue
-            if self.metrics:
-                self.metrics.batch_done(len(flat))
-            pos = 0
-            for seqs, fut in items:
-                fut.set_result(out[pos:pos + len(seqs)])
-                pos += len(seqs)
+            self._run(batch)
+
+    def _run(self, batch: list[tuple[_Job, list[int]]]) -> None:
+        flat = [job.seqs[i] for job, idx in batch for i in idx]
+        started = time.monotonic()
+        try:
+            out = self._embed(flat)
+        except Exception as exc:  # fail these requests (all their chunks), keep the worker alive
+            with self._cond:
+                for job, _ in batch:
+                    _settle(job.fut, exc=exc)
+                self._drop_dead(time.monotonic())  # their remaining chunks leave the queue
+            return
+        took = time.monotonic() - started
+        tokens = sum(len(s) for s in flat)
+        if took > 0:
+            self._rate = tokens / took if self._rate <= 0 else 0.8 * self._rate + 0.2 * tokens / took
+        if self.metrics:
+            self.metrics.batch_done(len(flat))
+        pos = 0
+        for job, idx in batch:
+            for i in idx:
+                job.results[i] = out[pos]
+                pos += 1
+            job.done += len(idx)
+            if job.done == len(job.seqs):
+                _settle(job.fut, job.results)
 
     def close(self, timeout: float = 10.0) -> None:
-        self._stop.set()
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
         self._thread.join(timeout)

@@ -35,6 +35,11 @@ class EngineParams:
     model_name: str | None = None
     compile_mode: str = "default"
     attention: str = "mask"
+    # Matryoshka: the smallest leading slice of the embedding the model was trained to serve
+    # (Qwen3-Embedding: 32); requests may ask for any dimension from it to the full one.
+    # None: the model declares no Matryoshka support (only the full dimension is served).
+    # Absent from older engine.json files, which load with None.
+    matryoshka_min_dim: int | None = None
     shape_policy: str = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
     # TensorRT optimisation profile and builder options (recipe engine.tensorrt; ignored elsewhere).
     # opt values of 0 mean "max_batch" / "max_seq_len".
@@ -76,6 +81,9 @@ class EngineParams:
             raise UsageError(f"--precision {self.precision} needs --device cuda; use fp32 on cpu")
         if not 1 <= self.max_batch <= 4096:
             raise UsageError(f"--max-batch must be in 1..4096, got {self.max_batch}")
+        if self.matryoshka_min_dim is not None and (type(self.matryoshka_min_dim) is not int
+                                                    or self.matryoshka_min_dim < 1):
+            raise UsageError(f"--matryoshka-min-dim must be an integer >= 1, got {self.matryoshka_min_dim!r}")
         if not SEQ_BUCKET <= self.max_seq_len <= 32768:
             raise UsageError(f"--max-seq-len must be in {SEQ_BUCKET}..32768, got {self.max_seq_len}")
 

@@ -38,9 +38,11 @@ class TextEncoder:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (a fast tokenizer.json is required)")
         self.tok = Tokenizer.from_file(str(path))
-        # We truncate/pad ourselves: over-long inputs are an error, not silently cut.
+        # Padding is ours; truncation is per call (encode's max_tokens), on the Encoding, never on
+        # the shared Tokenizer: request threads encode concurrently and its settings are shared state.
         self.tok.no_truncation()
         self.tok.no_padding()
+        self.num_special = self.tok.num_special_tokens_to_add(False)
         cfg = {}
         cfg_path = directory / "tokenizer_config.json"
         if cfg_path.is_file():
@@ -54,6 +56,9 @@ class TextEncoder:
             raise ValueError("last-token pooling needs an end-of-text token; none found in tokenizer")
         pad = self._find_id([_token_text(cfg.get("pad_token")), "[PAD]", "<pad>"])
         self.pad_id = pad if pad is not None else (self.eos_id or 0)
+        # Whether we append EOS ourselves (the tokenizer's post-processor may add it already).
+        probe = self.tok.encode("a").ids
+        self._adds_eos = self.append_eos and (not probe or probe[-1] != self.eos_id)
 
     def _find_id(self, candidates) -> int | None:
         for text in candidates:
@@ -67,12 +72,24 @@ class TextEncoder:
         # Qwen3-Embedding's query format; documents are embedded without an instruction.
         return f"Instruct: {self.instruction}\nQuery:{text}" if self.instruction else text
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, texts: list[str], max_tokens: int | None = None, direction: str = "right") -> list[list[int]]:
+        """Token ids per text. max_tokens: truncate each to at most that many tokens, special tokens
+        and the appended EOS included; direction 'right' keeps the start, 'left' keeps the end."""
+        if max_tokens is None:
+            encodings = self.tok.encode_batch(list(texts))
+        else:
+            # The tokenizers library's truncation, on each Encoding: cut the text's tokens to what is
+            # left after the special tokens, then add those (so [CLS] .. [SEP] survive a cut).
+            room = max(0, max_tokens - self.num_special - (1 if self._adds_eos else 0))
+            encodings = []
+            for enc in self.tok.encode_batch(list(texts), add_special_tokens=False):
+                enc.truncate(room, direction=direction)
+                encodings.append(self.tok.post_process(enc))
         out = []
-        for enc in self.tok.encode_batch(list(texts)):
+        for enc in encodings:
             ids = list(enc.ids)
             if self.append_eos and (not ids or ids[-1] != self.eos_id):
-                ids.append(self.eos_id)
+                ids.append(self.eos_id)  # after truncation: it counts in max_tokens (room above)
             out.append(ids)
         return out
 

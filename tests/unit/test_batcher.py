@@ -1,6 +1,7 @@
 """The dynamic batcher with a fake engine: each request gets its own vectors back from a shared
 batch, gathering stops at max_batch or max_wait, an engine error fails one batch only, close()
-finishes queued work, and the queue depth is reported."""
+finishes queued work, and the queue depth is reported; a small request goes before the rest of a
+large one, the queue is bounded, and dead requests never reach the engine."""
 from __future__ import annotations
 
 import threading
@@ -55,8 +56,8 @@ class Recorder:
 def make():
     made = []
 
-    def factory(engine, max_batch, max_wait_ms, metrics=None) -> Batcher:
-        batcher = Batcher(engine, max_batch, max_wait_ms, metrics)
+    def factory(engine, max_batch, max_wait_ms, metrics=None, max_queue_tokens=None) -> Batcher:
+        batcher = Batcher(engine, max_batch, max_wait_ms, metrics, max_queue_tokens=max_queue_tokens)
         made.append(batcher)
         return batcher
 
@@ -82,7 +83,9 @@ def test_queued_requests_share_one_batch_and_get_their_own_vectors(make):
     assert blocker.result(WAIT) == [vec([1000 + i]) for i in range(4)]
     for seqs, fut in zip(requests, futures, strict=True):
         assert fut.result(WAIT) == [vec(s) for s in seqs]
-    assert engine.calls[1] == [[1, 2], [3], [4, 5, 6], [7, 8, 9, 10]]  # one engine call, in arrival order
+    # One engine call; the requests with the fewest inputs first (arrival order among equals), each
+    # request's inputs shortest first.
+    assert engine.calls[1] == [[1, 2], [7, 8, 9, 10], [3], [4, 5, 6]]
     assert len(engine.calls) == 2
     assert metrics.depths == [4, 0, 1, 3, 4, 0]  # queued inputs, not requests
     assert metrics.batches == [4, 4]
@@ -113,12 +116,14 @@ def test_gathering_stops_at_max_batch(make):
     assert engine.calls[1:] == [[[1], [2]], [[3]]]
 
 
-def test_a_request_larger_than_max_batch_is_one_batch(make):
+def test_a_request_larger_than_max_batch_is_split_into_chunks_back_to_back(make):
     engine = FakeEngine()
     batcher = make(engine, max_batch=2, max_wait_ms=5000)
-    seqs = [[i] for i in range(5)]
+    seqs = [[i] * (5 - i) for i in range(5)]  # longest first: the chunks go shortest first
+    started = time.monotonic()
     assert batcher.submit(seqs).result(WAIT) == [vec(s) for s in seqs]
-    assert engine.calls == [seqs]
+    assert engine.calls == [[[4], [3, 3]], [[2, 2, 2], [1] * 4], [[0] * 5]]
+    assert time.monotonic() - started < 2  # the last, partial chunk did not wait max_wait for company
 
 
 def test_a_partial_batch_waits_max_wait_for_more(make):
@@ -201,3 +206,98 @@ def test_close_gives_up_on_a_stuck_engine_after_its_timeout(make):
         assert batcher._thread.is_alive()
     finally:
         engine.release.set()
+
+
+# --- fair scheduling, bounded queue, dropped work -------------------------------------------------
+
+def test_a_small_request_goes_before_the_rest_of_a_large_one(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=2, max_wait_ms=1)
+    large = batcher.submit([[100 + i] for i in range(8)])
+    assert engine.entered.wait(WAIT)  # the large request's first chunk is in the engine
+    small = batcher.submit([[7]])
+    engine.release.set()
+    assert small.result(WAIT) == [vec([7])] and large.result(WAIT) == [vec([100 + i]) for i in range(8)]
+    # FIFO would have run all four chunks of the large request first.
+    assert engine.calls == [[[100], [101]], [[7], [102]], [[103], [104]], [[105], [106]], [[107]]]
+
+
+def test_a_large_request_is_not_starved_by_a_stream_of_small_ones(make):
+    from builder.runtime.batcher import MAX_SKIPS
+
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=1)
+    large = batcher.submit([[500], [501], [502]])
+    assert engine.entered.wait(WAIT)
+    smalls = [batcher.submit([[i]]) for i in range(MAX_SKIPS + 4)]
+    engine.release.set()
+    large.result(WAIT)
+    for fut in smalls:
+        fut.result(WAIT)
+    # The large request's second chunk waited MAX_SKIPS batches, then went first.
+    assert engine.calls.index([[501]]) == 1 + MAX_SKIPS
+
+
+def test_a_full_queue_refuses_with_a_retry_hint(make):
+    from builder.runtime.batcher import QueueFull
+
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=1, max_queue_tokens=4)
+    busy(batcher, engine, 1)  # in the engine, no longer queued
+    first = batcher.submit([[1, 2, 3]])
+    with pytest.raises(QueueFull) as full:
+        batcher.submit([[4, 5]])  # 3 + 2 > 4
+    assert full.value.retry_after == 1  # no engine rate known yet
+    second = batcher.submit([[6]])  # 3 + 1 fits
+    engine.release.set()
+    assert first.result(WAIT) == [vec([1, 2, 3])] and second.result(WAIT) == [vec([6])]
+    # An empty queue takes a request above the bound (max_request_tokens bounds each request).
+    assert batcher.submit([[9] * 10]).result(WAIT) == [vec([9] * 10)]
+
+
+@pytest.mark.parametrize("kind", ["deadline", "client_gone", "cancelled"])
+def test_dead_requests_leave_the_queue_before_the_engine_sees_them(make, kind):
+    from builder.runtime.batcher import Dropped
+
+    engine, metrics = FakeEngine(hold_first=True), Recorder()
+    batcher = make(engine, max_batch=1, max_wait_ms=1, metrics=metrics)
+    busy(batcher, engine, 1)
+    gone = threading.Event()
+    deadline = time.monotonic() + 0.05 if kind == "deadline" else None
+    dead = batcher.submit([[7], [8]], deadline=deadline, client_gone=gone.is_set)
+    alive = batcher.submit([[9]], deadline=time.monotonic() + WAIT)
+    if kind == "deadline":
+        time.sleep(0.1)
+    elif kind == "client_gone":
+        gone.set()
+    else:
+        assert dead.cancel()
+    engine.release.set()
+    assert alive.result(WAIT) == [vec([9])]
+    assert engine.calls[1:] == [[[9]]]  # nothing of the dead request reached the engine
+    if kind == "cancelled":
+        assert dead.cancelled()
+    else:
+        with pytest.raises(Dropped) as dropped:
+            dead.result(WAIT)
+        assert dropped.value.reason == {"deadline": "timeout", "client_gone": "client_gone"}[kind]
+    assert metrics.depths[-1] == 0 and batcher._queued_tokens == 0
+
+
+def test_an_engine_error_drops_the_rest_of_its_request(make):
+    engine = FakeEngine(fail_on=-1)
+    batcher = make(engine, max_batch=2, max_wait_ms=1)
+    bad = batcher.submit([[-1], [-1, 2], [3, 3, 3], [4, 4, 4, 4]])
+    with pytest.raises(ValueError, match="bad token -1"):
+        bad.result(WAIT)
+    assert batcher.submit([[5]]).result(WAIT) == [vec([5])]
+    assert engine.calls == [[[-1], [-1, 2]], [[5]]]  # the failed request's second chunk never ran
+    assert batcher._queued_tokens == 0
+
+
+def test_a_probe_that_raises_does_not_stop_the_worker(make):
+    def broken():
+        raise RuntimeError("probe")
+
+    batcher = make(FakeEngine(), max_batch=2, max_wait_ms=1)
+    assert batcher.submit([[1]], client_gone=broken).result(WAIT) == [vec([1])]

@@ -194,12 +194,14 @@ def test_metrics_render():
     m.request_done(400, 0.001)
     m.batch_done(3)
     m.set_queue_depth(2)
-    text = m.render()
-    for line in ('mopt_requests_total{status="200"} 1', 'mopt_requests_total{status="400"} 1',
-                 "mopt_tokens_total 7", "mopt_queue_depth 2",
-                 'mopt_request_latency_seconds_bucket{le="0.025"} 2',
-                 "mopt_request_latency_seconds_count 2", 'mopt_batch_size_bucket{le="2"} 0',
-                 'mopt_batch_size_bucket{le="4"} 1'):
+    text = m.render().decode()
+    route = 'route="/v1/embeddings"'
+    for line in (f'mopt_requests_total{{{route},status="200"}} 1.0',
+                 f'mopt_requests_total{{{route},status="400"}} 1.0',
+                 "mopt_tokens_total 7.0", "mopt_queue_depth 2.0",
+                 f'mopt_request_latency_seconds_bucket{{le="0.025",{route}}} 2.0',
+                 f"mopt_request_latency_seconds_count{{{route}}} 2.0", 'mopt_batch_size_bucket{le="2.0"} 0.0',
+                 'mopt_batch_size_bucket{le="4.0"} 1.0'):
         assert line in text.splitlines(), line
 
 

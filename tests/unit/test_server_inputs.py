@@ -86,7 +86,7 @@ class FakeEncoder:
     def format_query(self, text: str) -> str:
         return f"Q:{text}"
 
-    def encode(self, texts):
+    def encode(self, texts, max_tokens=None, direction="right"):
         self.encoded.append(list(texts))
         if self.fail_with is not None:
             raise self.fail_with
@@ -194,13 +194,17 @@ def test_base64_encoding_is_little_endian_float32(make_service):
     assert raw == struct.pack("<3f", 1.0, 2.0, 3.0)
 
 
+NO_MATRYOSHKA = "this model does not support Matryoshka dimensions: it only produces 3 dimensions"
+
+
 @pytest.mark.parametrize("payload, message, param, code", [
     ({"encoding_format": "FLOAT"}, "encoding_format must be 'float' or 'base64'", "encoding_format",
      "invalid_encoding_format"),
     ({"encoding_format": "binary"}, "encoding_format must be 'float' or 'base64'", "encoding_format",
      "invalid_encoding_format"),
-    ({"dimensions": 2}, "this model only produces 3 dimensions", "dimensions", "invalid_dimensions"),
-    ({"dimensions": 4}, "this model only produces 3 dimensions", "dimensions", "invalid_dimensions"),
+    ({"dimensions": 2}, NO_MATRYOSHKA, "dimensions", "invalid_dimensions"),
+    ({"dimensions": 4}, NO_MATRYOSHKA, "dimensions", "invalid_dimensions"),
+    ({"dimensions": "3"}, "dimensions must be an integer", "dimensions", "invalid_dimensions"),
     ({"input_type": "passage"}, "input_type must be 'query' or 'document'", "input_type", "invalid_input_type"),
     ({"input_type": None}, "input_type must be 'query' or 'document'", "input_type", "invalid_input_type"),
 ])
