@@ -141,11 +141,8 @@ def test_a_string_at_the_character_limit_is_tokenized(make):
     assert svc.embeddings({"input": "y" * 10})[1] == 10
 
 
-@pytest.mark.parametrize("payload, kept", [
-    ({"truncate_prompt_tokens": -1}, "0123456789"[-10:]),  # vLLM: left, keeps the end
-    ({"truncate_prompt_tokens": 4}, None),
-])
-def test_truncation_cuts_at_the_character_limit_first(make, payload, kept):
+@pytest.mark.parametrize("payload", [{"truncate_prompt_tokens": -1}, {"truncate_prompt_tokens": 4}])
+def test_truncation_cuts_at_the_character_limit_first(make, payload):
     svc = make(max_input_chars=10)
     text = "abcdefghij" * 1000 + "0123456789"
     body, tokens = svc.embeddings({"input": text, **payload})
@@ -537,3 +534,19 @@ def test_tiny_qwen3_truncation_appends_eos_within_the_limit(tmp_path):
     assert full[-1] == enc.eos_id
     for direction, kept in (("right", full[:7]), ("left", full[-8:-1])):
         assert enc.encode([TEXT], max_tokens=8, direction=direction) == [kept + [enc.eos_id]]
+
+
+def test_histogram_buckets_are_le_and_cumulative(make):
+    svc = make()
+    for seconds in (0.005, 0.0051, 100.0):
+        svc.metrics.request_done(200, seconds)
+    svc.metrics.batch_done(256)
+    svc.metrics.batch_done(257)
+    route = {"route": "/v1/embeddings"}
+    assert _sample(svc, "mopt_request_latency_seconds_bucket", le="0.005", **route) == 1  # on the bound: in it
+    assert _sample(svc, "mopt_request_latency_seconds_bucket", le="0.01", **route) == 2
+    assert _sample(svc, "mopt_request_latency_seconds_bucket", le="60.0", **route) == 2
+    assert _sample(svc, "mopt_request_latency_seconds_bucket", le="+Inf", **route) == 3
+    assert _sample(svc, "mopt_request_latency_seconds_sum", **route) == pytest.approx(100.0101)
+    assert _sample(svc, "mopt_batch_size_bucket", le="256.0") == 1
+    assert _sample(svc, "mopt_batch_size_bucket", le="+Inf") == 2
