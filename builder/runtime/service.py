@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .batcher import Batcher, Dropped, QueueFull
+from .errors import UsageError
 from .metrics import Metrics
 
 # max_input_chars when unset: characters per token allowed, times the token limit. Prose averages
@@ -50,6 +51,12 @@ class ServerLimits:
     # Truncate over-long inputs when a request does not say. Off: a silent cut changes the embedding
     # without telling the client, so over-long input is a 400 unless asked for (TEI's default too).
     auto_truncate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_tokens", "max_queue_tokens", "max_input_chars"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
 
 
 class ApiError(Exception):

@@ -310,9 +310,11 @@ def test_metrics_exposition(server):
     lines = text.splitlines()
     assert "# TYPE mopt_requests_total counter" in lines
     counts = {ln.split()[0]: float(ln.split()[1]) for ln in lines if ln and not ln.startswith("#")}
-    assert counts['mopt_requests_total{status="200"}'] >= 1
-    assert counts['mopt_requests_total{status="400"}'] >= 1
-    assert counts["mopt_tokens_total"] > 0 and counts["mopt_request_latency_seconds_count"] >= 2
+    route = 'route="/v1/embeddings"'
+    assert counts[f'mopt_requests_total{{{route},status="200"}}'] >= 1
+    assert counts[f'mopt_requests_total{{{route},status="400"}}'] >= 1
+    assert counts["mopt_tokens_total"] > 0 and counts[f"mopt_request_latency_seconds_count{{{route}}}"] >= 2
+    assert "process_resident_memory_bytes" in counts
     assert "mopt_queue_depth" in counts and 'mopt_batch_size_bucket{le="+Inf"}' in counts
 
 

@@ -127,6 +127,17 @@ def test_the_character_limit_defaults_to_eight_per_token(make):
     assert make(max_input_chars=10).max_chars == 10
 
 
+@pytest.mark.parametrize("name", ["max_request_tokens", "max_queue_tokens", "max_input_chars"])
+@pytest.mark.parametrize("value", [0, -1, 1.5])
+def test_limits_must_be_positive_integers(name, value):
+    from builder.runtime.errors import UsageError
+
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(UsageError, match=f"^{flag} must be an integer >= 1, got {value!r}$"):
+        ServerLimits(**{name: value})
+    assert getattr(ServerLimits(**{name: 1}), name) == 1
+
+
 def test_an_over_long_string_never_reaches_the_tokenizer(make):
     svc = make(max_input_chars=10)
     err = error(svc.embeddings, {"input": ["ok", "x" * (4 << 20)]})  # a whole 4 MiB body in one string
@@ -550,3 +561,27 @@ def test_histogram_buckets_are_le_and_cumulative(make):
     assert _sample(svc, "mopt_request_latency_seconds_sum", **route) == pytest.approx(100.0101)
     assert _sample(svc, "mopt_batch_size_bucket", le="256.0") == 1
     assert _sample(svc, "mopt_batch_size_bucket", le="+Inf") == 2
+
+
+# --- the CLI flags -------------------------------------------------------------------------------
+
+def test_serve_flags_and_their_variables(monkeypatch):
+    from builder.runtime.__main__ import build_parser
+
+    a = build_parser().parse_args(["serve", "--engine-dir", "e"])
+    assert (a.max_input_chars, a.max_request_tokens, a.max_queue_tokens, a.auto_truncate) == (
+        None, ServerLimits.max_request_tokens, ServerLimits.max_queue_tokens, False)
+    for name, value in (("MOPT_MAX_INPUT_CHARS", "100"), ("MOPT_MAX_REQUEST_TOKENS", "200"),
+                        ("MOPT_MAX_QUEUE_TOKENS", "300"), ("MOPT_AUTO_TRUNCATE", "true")):
+        monkeypatch.setenv(name, value)
+    a = build_parser().parse_args(["serve", "--engine-dir", "e"])
+    assert (a.max_input_chars, a.max_request_tokens, a.max_queue_tokens, a.auto_truncate) == (100, 200, 300, True)
+    assert build_parser().parse_args(["serve", "--engine-dir", "e", "--no-auto-truncate"]).auto_truncate is False
+
+
+def test_compile_flag_for_matryoshka():
+    from builder.runtime.__main__ import build_parser
+
+    base = ["compile", "--model", "m", "--out", "o"]
+    assert build_parser().parse_args(base).matryoshka_min_dim is None
+    assert build_parser().parse_args([*base, "--matryoshka-min-dim", "32"]).matryoshka_min_dim == 32
