@@ -305,13 +305,20 @@ def test_a_full_queue_is_a_503_with_retry_after(make):
 
 def test_a_small_request_is_served_before_the_rest_of_a_large_one(make):
     svc = make({"delay": 0.05}, max_batch=2, max_inputs=64)
+    svc.engine.release.clear()
     large, large_box = in_thread(svc.embeddings, {"input": [[1, i] for i in range(40)]})  # 20 engine calls
-    assert svc.engine.entered.wait(WAIT)
+    assert svc.engine.entered.wait(WAIT)  # its first chunk is in the engine, the rest queued
+    small, small_box = in_thread(svc.embeddings, {"input": [[99]]})
+    deadline = time.monotonic() + WAIT
+    while len(svc.batcher._jobs) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     started = time.monotonic()
-    body, _ = svc.embeddings({"input": [[99]]})
+    svc.engine.release.set()
+    small.join(WAIT)
     waited = time.monotonic() - started
-    assert body["data"][0]["embedding"] == [99.0, 1.0, 99.0, 1.0]
-    assert not large_box and waited < 0.5, waited  # FIFO: ~1 s behind the large request's 20 calls
+    assert small_box["result"][0]["data"][0]["embedding"] == [99.0, 1.0, 99.0, 1.0]
+    assert not large_box and waited < 0.6, waited  # FIFO: ~1 s, behind the large request's 20 calls
     large.join(WAIT)
     assert len(large_box["result"][0]["data"]) == 40
     assert [99] in svc.engine.batches[1]  # taken in the very next engine call
