@@ -729,3 +729,83 @@ def test_configure_logging_json_and_text(capsys):
         assert capsys.readouterr().err.strip().endswith("WARNING x.y: plain")
     finally:
         root.handlers[:], root.level = saved[0], saved[1]
+
+
+# --- the serve flags (__main__) and the own-server flavours -------------------------------------------
+
+def serve_args(monkeypatch, argv, env=None):
+    from builder.runtime import __main__ as cli
+
+    for name in ("MOPT_API_KEY", "MOPT_API_KEY_FILE", "MOPT_METRICS_AUTH", "MOPT_CORS_ORIGINS", "MOPT_LOG_FORMAT",
+                 "MOPT_ENGINE_PROCESS", "MOPT_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    return cli, cli.build_parser().parse_args(["serve", "--engine-dir", "e", *argv])
+
+
+def test_http_options_from_flags_and_env(monkeypatch, tmp_path):
+    cli, a = serve_args(monkeypatch, ["--cors-origins", "https://a.example, https://b.example", "--metrics-auth",
+                                      "--request-timeout", "5", "--log-format", "json"], {"MOPT_API_KEY": KEY})
+    options = cli.http_options(a)
+    assert options == HttpOptions(api_key=KEY, metrics_auth=True, cors_origins=("https://a.example",
+                                                                                 "https://b.example"),
+                                  request_timeout_s=5.0, json_logs=True)
+    (tmp_path / "key").write_text(f"  {KEY}\n")
+    cli, a = serve_args(monkeypatch, [], {"MOPT_API_KEY_FILE": str(tmp_path / "key"), "MOPT_METRICS_AUTH": "0"})
+    assert cli.http_options(a).api_key == KEY and cli.http_options(a).metrics_auth is False
+    assert cli.http_options(serve_args(monkeypatch, [])[1]) == HttpOptions()
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--api-key", "a"], {"MOPT_API_KEY_FILE": "/nonexistent"}, "not both"),
+    (["--api-key", "  "], {}, "empty"),
+    (["--api-key-file", "/nonexistent/key"], {}, "--api-key-file"),
+    (["--max-connections", "0"], {}, "--max-connections"),
+    (["--drain-timeout", "0"], {}, "--drain-timeout"),
+])
+def test_http_options_usage_errors(monkeypatch, argv, env, message):
+    from builder.runtime.errors import UsageError
+
+    cli, a = serve_args(monkeypatch, argv, env)
+    with pytest.raises(UsageError, match=message):
+        cli.http_options(a)
+
+
+@pytest.mark.parametrize("value, expected", [("true", True), ("1", True), ("0", False), ("False", False)])
+def test_boolean_env_variables(monkeypatch, value, expected):
+    _, a = serve_args(monkeypatch, [], {"MOPT_ENGINE_PROCESS": value, "MOPT_METRICS_AUTH": value})
+    assert a.engine_process is expected and a.metrics_auth is expected
+
+
+def test_bad_boolean_env_variable_is_a_one_line_usage_error(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve_args(monkeypatch, [], {"MOPT_METRICS_AUTH": "maybe"})
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: MOPT_METRICS_AUTH='maybe' is not a boolean (true/false/1/0)"
+
+
+def test_main_exits_with_serves_code(monkeypatch):
+    from builder.runtime import __main__ as cli
+
+    monkeypatch.setitem(cli.COMMANDS, "serve", lambda a: srv.EXIT_ENGINE_DIED)
+    assert cli.main(["serve", "--engine-dir", "e"]) == srv.EXIT_ENGINE_DIED
+
+
+def test_vllm_gets_the_key_by_environment_and_origins_as_json():
+    from builder.runtime.backends import vllm_backend as vb
+
+    argv, env = vb.http_settings(HttpOptions(api_key=KEY, cors_origins=("https://a.example",)))
+    assert argv == ["--allowed-origins", '["https://a.example"]'] and env == {"VLLM_API_KEY": KEY}
+    assert KEY not in " ".join(argv)  # never on a command line that ps shows
+    assert vb.http_settings(HttpOptions()) == ([], {}) and vb.http_settings(None) == ([], {})
+
+
+def test_trtllm_refuses_a_key_it_cannot_enforce():
+    from builder.runtime.backends import tensorrt_llm as tl
+    from builder.runtime.errors import UsageError
+
+    with pytest.raises(UsageError, match="no API key option"):
+        tl.check_http_options(HttpOptions(api_key=KEY))
+    tl.check_http_options(HttpOptions())
+    tl.check_http_options(None)
