@@ -303,6 +303,21 @@ def test_keep_alive_serves_several_requests(start):
         conn.close()
 
 
+def test_keep_alive_responses_are_not_held_by_nagle(start):
+    """Headers and body are two writes: with Nagle on, each response waits ~40 ms for the client's
+    delayed ACK (25 requests: > 1 s). With TCP_NODELAY they take a few ms."""
+    port, _, _ = start()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
+    try:
+        started = time.monotonic()
+        for _ in range(25):
+            conn.request("POST", "/v1/embeddings", body=BODY)
+            conn.getresponse().read()
+        assert time.monotonic() - started < 0.8
+    finally:
+        conn.close()
+
+
 # --- auth ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", ""])
