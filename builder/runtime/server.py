@@ -125,7 +125,6 @@ class Handler(BaseHTTPRequestHandler):
     # A subclass may set timeout: it then replaces options.request_timeout_s (the tests' short deadline).
     timeout = None
     service = None  # set on a subclass by make_server
-    error_content_type = "application/json"
 
     # --- connection set-up and the request loop ------------------------------------------------
     def setup(self):

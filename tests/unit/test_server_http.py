@@ -672,6 +672,7 @@ def test_drain_is_bounded():
 
 def test_watchdog_ends_serve_with_a_nonzero_code_when_the_engine_dies(caplog, capsys):
     service = FakeService()
+    service.engine = type("Engine", (), {"_proc": type("Proc", (), {"exitcode": -9})()})()  # the worker's exit
     caplog.set_level(logging.ERROR, logger="builder.runtime.server")
     thread, box = run_serve(service, HttpOptions(drain_timeout_s=1), watchdog_interval_s=0.05)
     port = box["server"].server_address[1]
@@ -679,7 +680,7 @@ def test_watchdog_ends_serve_with_a_nonzero_code_when_the_engine_dies(caplog, ca
     service.alive = False
     thread.join(WAIT)
     assert not thread.is_alive() and box["code"] == srv.EXIT_ENGINE_DIED != 0
-    assert any("engine worker died" in r.getMessage() for r in caplog.records)
+    assert any("engine worker died (exit code -9)" in r.getMessage() for r in caplog.records)
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["exit_code"] == srv.EXIT_ENGINE_DIED
 
 
