@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -36,7 +36,7 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass(frozen=True)
 class HttpOptions:
-    api_key: str | None = None  # None: no auth
+    api_key: str | None = field(default=None, repr=False)  # None: no auth; repr=False: never in a log
     metrics_auth: bool = False  # /metrics open by default: scrapers rarely carry the key
     cors_origins: tuple[str, ...] = ()  # () no CORS headers; ("*",) any origin; else exact origins
     max_connections: int = 256  # beyond: 503 + Retry-After from the accept thread
@@ -654,9 +654,9 @@ class JsonFormatter(logging.Formatter):
         when = datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds")
         out = {"time": when,
                "level": record.levelname, "logger": record.name, "message": record.getMessage()}
-        for field in self.FIELDS:
-            if field in record.__dict__:
-                out[field] = record.__dict__[field]
+        for name in self.FIELDS:
+            if name in record.__dict__:
+                out[name] = record.__dict__[name]
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out)

@@ -332,6 +332,10 @@ def test_missing_or_wrong_key_is_401(start, authorization):
     assert service.calls == []
 
 
+def test_the_key_is_not_in_the_options_repr():
+    assert KEY not in repr(HttpOptions(api_key=KEY)) and KEY not in str(HttpOptions(api_key=KEY))
+
+
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer"])
 def test_right_key_passes(start, scheme):
     port, _, _ = start(api_key=KEY)
