@@ -131,7 +131,10 @@ class Handler(BaseHTTPRequestHandler):
         self.connection = self.request
         # Headers and body are two writes: with Nagle's algorithm on, the body waits for the client's
         # delayed ACK of the headers (40 ms on Linux) on every keep-alive response.
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # already reset by the peer: the first read ends the connection
+            pass
         self.options: HttpOptions = self.server.options
         self.request_timeout = self.timeout if self.timeout is not None else self.options.request_timeout_s
         self.deadline, self.waiting = 0.0, True
