@@ -34,23 +34,22 @@ def _env_argument(parser: argparse.ArgumentParser, command: str, flag: str, env:
     ENV_VARS[(command, flag)] = env
     value = os.environ.get(env)
     kwargs["help"] = f"{kwargs.get('help', '')} [env: {env}]".strip()
+    if kwargs.get("action") is argparse.BooleanOptionalAction and value not in (None, ""):
+        value = _env_bool(env, value)
     if "type" in kwargs:
         kwargs["type"] = _typed(kwargs["type"], env)
     return parser.add_argument(flag, default=value if value not in (None, "") else default, **kwargs)
 
 
-# --- H2 flags ---
-def _bool_text(text: str) -> bool:
-    """A boolean given as text (an environment variable): 1/true/yes/on or 0/false/no/off."""
-    value = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-             "off": False}.get(str(text).strip().lower())
+def _env_bool(env: str, text: str) -> bool:
+    """A boolean option's value from the environment; anything but true/false/1/0/yes/no/on/off is
+    the one-line usage error (exit 2) of a bad flag."""
+    value = {"1": True, "true": True, "yes": True, "on": True,
+             "0": False, "false": False, "no": False, "off": False}.get(text.strip().lower())
     if value is None:
-        raise ValueError(text)
+        print(f"error: {env}={text!r} is not a boolean (true/false/1/0)", file=sys.stderr)
+        sys.exit(2)
     return value
-
-
-_bool_text.__name__ = "boolean"
-# --- end H2 flags ---
 
 
 def _load_json_arg(flag: str, text: str | None, expect: type):
@@ -125,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="inputs per engine call (default: the engine's max_batch)")
     _env_argument(s, "serve", "--max-wait-ms", "MOPT_MAX_WAIT_MS", type=float, default=5.0,
                   help="how long the batcher waits for more requests to fill a batch")
-    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the engine in a worker process, apart from the HTTP threads (no shared GIL)")
+    _env_argument(s, "serve", "--engine-process", "MOPT_ENGINE_PROCESS", action=argparse.BooleanOptionalAction,
+                  default=True, help="run the engine in a worker process, apart from the HTTP threads (no shared GIL)")
     _env_argument(s, "serve", "--max-inputs", "MOPT_MAX_INPUTS", type=int, default=256,
                   help="inputs per request")
     _env_argument(s, "serve", "--max-input-tokens", "MOPT_MAX_INPUT_TOKENS", type=int, default=None,
@@ -140,11 +139,35 @@ def build_parser() -> argparse.ArgumentParser:
                   help="tokens per request, all inputs together")
     _env_argument(s, "serve", "--max-queue-tokens", "MOPT_MAX_QUEUE_TOKENS", type=int, default=262144,
                   help="tokens waiting for the engine; beyond: 503 with Retry-After")
-    _env_argument(s, "serve", "--auto-truncate", "MOPT_AUTO_TRUNCATE", type=_bool_text, default=False,
+    _env_argument(s, "serve", "--auto-truncate", "MOPT_AUTO_TRUNCATE", default=False,
                   action=argparse.BooleanOptionalAction,
                   help="truncate over-long inputs when a request does not say (default off: a silent cut "
                        "changes the embedding, so over-long input is a 400)")
     # --- end H2 flags ---
+    # --- H1 flags ---
+    _env_argument(s, "serve", "--api-key", "MOPT_API_KEY", default=None,
+                  help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics unless "
+                       "--metrics-auth); prefer the variable or --api-key-file: a flag shows in ps")
+    _env_argument(s, "serve", "--api-key-file", "MOPT_API_KEY_FILE", default=None,
+                  help="file whose content (stripped) is the API key (Docker/Kubernetes secrets)")
+    _env_argument(s, "serve", "--metrics-auth", "MOPT_METRICS_AUTH", action=argparse.BooleanOptionalAction,
+                  default=False, help="require the API key on /metrics too")
+    _env_argument(s, "serve", "--cors-origins", "MOPT_CORS_ORIGINS", default="",
+                  help="comma-separated origins allowed by CORS, or '*'; empty: no CORS headers")
+    _env_argument(s, "serve", "--max-connections", "MOPT_MAX_CONNECTIONS", type=int, default=256,
+                  help="open connections; beyond, a fast 503 with Retry-After")
+    _env_argument(s, "serve", "--max-header-bytes", "MOPT_MAX_HEADER_BYTES", type=int, default=16 * 1024,
+                  help="request line and headers, each bounded by this (414/431 beyond)")
+    _env_argument(s, "serve", "--request-timeout", "MOPT_REQUEST_TIMEOUT", type=float, default=60.0,
+                  help="seconds for a whole request: reading it (not per read) and computing it")
+    _env_argument(s, "serve", "--idle-timeout", "MOPT_IDLE_TIMEOUT", type=float, default=15.0,
+                  help="seconds a keep-alive connection may wait for its next request")
+    _env_argument(s, "serve", "--drain-timeout", "MOPT_DRAIN_TIMEOUT", type=float, default=8.0,
+                  help="seconds in-flight requests get after SIGTERM; keep it under the stop timeout "
+                       "(docker stop: 10 s, Kubernetes terminationGracePeriodSeconds: 30 s)")
+    _env_argument(s, "serve", "--log-format", "MOPT_LOG_FORMAT", default="text", choices=("text", "json"),
+                  help="json: one JSON object per log line (access lines at MOPT_LOG_LEVEL=INFO)")
+    # --- end H1 flags ---
 
     t = sub.add_parser("make-tiny-qwen3", help="write a tiny random Qwen3 checkpoint + tokenizer")
     t.add_argument("--out", required=True)
@@ -182,19 +205,48 @@ def cmd_check(a) -> dict:
             "device": data["device"], "target_sm": data["target_sm"], "engine_sha256": data["engine_sha256"]}
 
 
-def cmd_serve(a) -> None:
+# --- H1 flags: the serve flags as HttpOptions ---
+def http_options(a):
+    """HttpOptions from the serve flags."""
+    from .server import HttpOptions
+
+    if a.api_key is not None and a.api_key_file is not None:
+        raise UsageError("give --api-key or --api-key-file (MOPT_API_KEY or MOPT_API_KEY_FILE), not both")
+    key = a.api_key
+    if a.api_key_file is not None:
+        try:
+            key = Path(a.api_key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--api-key-file: {exc}") from None
+    if key is not None and not key.strip():
+        raise UsageError("the API key is empty (--api-key, --api-key-file or their variables)")
+    origins = tuple(o.strip() for o in a.cors_origins.split(",") if o.strip())
+    if a.max_connections < 1 or a.max_header_bytes < 1024:
+        raise UsageError("--max-connections must be >= 1 and --max-header-bytes >= 1024")
+    if min(a.request_timeout, a.idle_timeout, a.drain_timeout) <= 0:
+        raise UsageError("--request-timeout, --idle-timeout and --drain-timeout must be > 0")
+    return HttpOptions(api_key=key, metrics_auth=a.metrics_auth, cors_origins=origins,
+                       max_connections=a.max_connections, max_header_bytes=a.max_header_bytes,
+                       request_timeout_s=a.request_timeout, idle_timeout_s=a.idle_timeout,
+                       drain_timeout_s=a.drain_timeout, json_logs=a.log_format == "json")
+# --- end H1 flags ---
+
+
+def cmd_serve(a) -> int:
     from . import fingerprint
     from .backends import backend_info, get_backend
     from .engine import Engine
     from .guard import resolve
-    from .server import serve
+    from .server import configure_logging, serve
     from .service import EmbeddingService, ServerLimits
 
+    options = http_options(a)
+    configure_logging(options.json_logs, os.environ.get("MOPT_LOG_LEVEL", "WARNING"))
     info = fingerprint.read(a.engine_dir)
     if backend_info(info["backend"]).own_server:  # vllm, tensorrt-llm: the guard, then their OpenAI server
         engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
-        get_backend(data["backend"]).exec_serve(engine_dir, data, a.host, a.port)
-        return
+        get_backend(data["backend"]).exec_serve(engine_dir, data, a.host, a.port, options=options)
+        return 0
     limits = ServerLimits(max_batch=a.max_batch or info["params"]["max_batch"], max_wait_ms=a.max_wait_ms,
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
                           max_body_bytes=a.max_body_bytes, max_input_chars=a.max_input_chars,
@@ -209,7 +261,7 @@ def cmd_serve(a) -> None:
     else:
         engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
         engine = Engine.from_info(engine_dir, data)
-    serve(EmbeddingService(engine, limits), a.host, a.port)
+    return serve(EmbeddingService(engine, limits), a.host, a.port, options)
 
 
 def cmd_tiny(a) -> dict:
@@ -234,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+    if isinstance(result, int):  # serve's exit code (non-zero: the engine worker died)
+        return result
     if result is not None:
         print(json.dumps(result, sort_keys=True), flush=True)
     return 0

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..errors import UsageError
 from ..params import EngineParams
 
 ENGINE_SUBDIR = "trtllm-engine"
@@ -111,7 +112,21 @@ def prepare(device: str) -> None:
     """Nothing to warm: trtllm-serve loads the engine."""
 
 
-def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+def check_http_options(options) -> None:
+    """trtllm-serve has no API key or CORS option: refuse a key (serving open while the user believes
+    it guarded would be worse than not starting) and say that CORS is not applied."""
+    if options is None:
+        return
+    if options.api_key:
+        raise UsageError("tensorrt-llm images serve through trtllm-serve, which has no API key option: "
+                         "unset --api-key/MOPT_API_KEY and put an authenticating proxy in front")
+    if options.cors_origins:
+        print("mopt_runtime: trtllm-serve has no CORS option; --cors-origins is not applied",
+              file=sys.stderr, flush=True)
+
+
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
+    check_http_options(options)
     params = EngineParams.from_dict(data["params"])
     engine_dir = Path(out_dir) / "engine"
     argv = serve_command(str(engine_dir / ENGINE_SUBDIR), str(engine_dir), params, host, port,

@@ -312,14 +312,25 @@ def prepare(device: str) -> None:
     """Nothing to warm: vLLM's server loads the model and its compile cache."""
 
 
-def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+def http_settings(options) -> tuple[list[str], dict]:
+    """mopt's HTTP options (server.HttpOptions) as vLLM's: (extra argv, extra env). The API key goes
+    by VLLM_API_KEY, which vLLM reads as --api-key, so it never shows in `ps`; CORS origins by
+    --allowed-origins (a JSON list). vLLM guards /v1/* with the key; /health and /metrics stay open."""
+    if options is None:
+        return [], {}
+    argv = ["--allowed-origins", json.dumps(list(options.cors_origins))] if options.cors_origins else []
+    return argv, ({"VLLM_API_KEY": options.api_key} if options.api_key else {})
+
+
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
     """Replace this process (PID 1 in the image) with vLLM's OpenAI server over the shipped cache."""
     params = EngineParams.from_dict(data["params"])
     engine_dir = Path(out_dir) / "engine"
     model_dir = params.model_dir if params.model_dir and Path(params.model_dir).is_dir() else str(engine_dir)
-    argv = serve_argv(model_dir, params, host, port)
+    extra_argv, extra_env = http_settings(options)
+    argv = serve_argv(model_dir, params, host, port) + extra_argv
     # The image sets VLLM_CACHE_ROOT to the shipped cache; a user's -e VLLM_CACHE_ROOT=... wins.
-    env = serve_env(os.environ.get("VLLM_CACHE_ROOT") or engine_dir / CACHE_SUBDIR, params)
-    print(f"mopt_runtime: guard passed; exec {' '.join(argv)} (VLLM_CACHE_ROOT={env['VLLM_CACHE_ROOT']})",
-          file=sys.stderr, flush=True)
+    env = {**serve_env(os.environ.get("VLLM_CACHE_ROOT") or engine_dir / CACHE_SUBDIR, params), **extra_env}
+    print(f"mopt_runtime: guard passed; exec {' '.join(argv)} (VLLM_CACHE_ROOT={env['VLLM_CACHE_ROOT']}"
+          f"{', API key set' if extra_env else ''})", file=sys.stderr, flush=True)
     os.execvpe(argv[0], argv, env)
