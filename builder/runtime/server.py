@@ -580,9 +580,7 @@ def drain(server: EmbeddingHTTPServer, timeout: float) -> bool:
 
 
 def _engine_exit(service) -> str:
-    engine = getattr(service, "engine", None)
-    proc = getattr(engine, "_proc", None)
-    code = getattr(proc, "exitcode", None) if proc is not None else getattr(engine, "exitcode", None)
+    code = getattr(getattr(service, "engine", None), "exitcode", None)  # EngineProcess; None in-process
     return f"exit code {code}" if code is not None else "exit code unknown"
 
 

@@ -97,6 +97,11 @@ class EngineProcess:
     def alive(self) -> bool:
         return self._proc.is_alive()
 
+    @property
+    def exitcode(self) -> int | None:
+        """The worker's exit code once it has exited (negative: killed by that signal)."""
+        return self._proc.exitcode
+
     def embed_ids(self, seqs: list[list[int]]) -> list[list[float]]:
         """Called by the batcher's single thread only (one request in flight on the pipe)."""
         try:

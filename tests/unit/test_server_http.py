@@ -676,7 +676,7 @@ def test_drain_is_bounded():
 
 def test_watchdog_ends_serve_with_a_nonzero_code_when_the_engine_dies(caplog, capsys):
     service = FakeService()
-    service.engine = type("Engine", (), {"_proc": type("Proc", (), {"exitcode": -9})()})()  # the worker's exit
+    service.engine = type("Engine", (), {"exitcode": -9})()  # EngineProcess.exitcode of a killed worker
     caplog.set_level(logging.ERROR, logger="builder.runtime.server")
     thread, box = run_serve(service, HttpOptions(drain_timeout_s=1), watchdog_interval_s=0.05)
     port = box["server"].server_address[1]
