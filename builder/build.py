@@ -257,7 +257,7 @@ class Builder:
             self.log(f"  compile: engine up to date ({engine_dir})")
             return StageRecord(name="compile", key=key, image=str(engine_dir), image_id="", skipped=True, seconds=0.0)
         start = time.monotonic()
-        self.log(f"  compile: {variant.backend} engine for {target_sm} in a container of runtime "
+        self.log(f"  compile: {variant.backend} engine for {target_sm} in a container of {runtime.name} "
                  f"{runtime.image_id[:19]}")
         with tempfile.TemporaryDirectory(prefix="mopt-compile-", dir=self.state.engines) as tmp:
             out = Path(tmp) / "out"

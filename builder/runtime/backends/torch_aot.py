@@ -35,9 +35,11 @@ from .torch_common import DTYPES, build_module, eager_reference, export_graph, i
 
 PACKAGE = "model.pt2"  # written by the compile step, unpacked, then removed (engines of older builds keep it)
 UNPACKED = "aoti"  # engine/aoti/: the package's model files (the .so, its metadata, CUDA kernel binaries)
-# The package's model files live under this prefix; the rest of the zip is archive bookkeeping.
-_PACKAGE_MODEL_DIR = "model/data/aotinductor/model/"
-_PACKAGE_BOOKKEEPING = ("model/archive_format", "model/archive_version", "model/byteorder", "model/.data/")
+# Inside the zip (its root is the package file's stem): the model files under data/aotinductor/<model
+# name>/, the rest archive bookkeeping. The same layout in torch 2.11 (CUDA: .cubin files beside the .so)
+# and 2.13.
+_PACKAGE_MODEL_DIR = "data/aotinductor/model/"
+_PACKAGE_BOOKKEEPING = ("archive_format", "archive_version", "byteorder", ".data/")
 
 
 def version() -> str:
@@ -70,18 +72,20 @@ def unpack(package: Path, dest: Path) -> Path:
     """Unpack the package's model files into DEST (what torch's loader does at every start) and return
     the .so. Refuses a package with anything else in it (weights kept outside the .so, several models):
     the runner in load() would not find it."""
+    root = package.stem + "/"
+    model_dir, bookkeeping = root + _PACKAGE_MODEL_DIR, tuple(root + b for b in _PACKAGE_BOOKKEEPING)
     with zipfile.ZipFile(package) as zf:
         model, unexpected = [], []
         for name in (n for n in zf.namelist() if not n.endswith("/")):
-            if name.startswith(_PACKAGE_BOOKKEEPING):
+            if name.startswith(bookkeeping):
                 continue
-            rel = name[len(_PACKAGE_MODEL_DIR):] if name.startswith(_PACKAGE_MODEL_DIR) else ""
+            rel = name[len(model_dir):] if name.startswith(model_dir) else ""
             (model if rel and "/" not in rel else unexpected).append(name)
         if unexpected:
             raise RuntimeError(f"{package.name} holds files the unpacked loader does not use: {unexpected[:5]}")
         dest.mkdir(parents=True, exist_ok=True)
         for name in model:
-            (dest / name[len(_PACKAGE_MODEL_DIR):]).write_bytes(zf.read(name))
+            (dest / name[len(model_dir):]).write_bytes(zf.read(name))
     libraries = sorted(dest.glob("*.so"))
     if len(libraries) != 1:
         raise RuntimeError(f"{package.name} should hold one shared library, found {[p.name for p in libraries]}")
