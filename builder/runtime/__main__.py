@@ -57,7 +57,8 @@ def _load_json_arg(flag: str, text: str | None, expect: type):
 def _engine_dir_argument(parser: argparse.ArgumentParser, command: str) -> None:
     """--engine-dir, by default MOPT_ENGINE_DIR (the images set it): `docker run IMAGE` needs no flag."""
     _env_argument(parser, command, "--engine-dir", "MOPT_ENGINE_DIR", default=None,
-                  required=not os.environ.get("MOPT_ENGINE_DIR"), help="engine dir (engine.json + engine/)")
+                  required=not os.environ.get("MOPT_ENGINE_DIR"),
+                  help="engine dir (engine.json + engine/); required unless the variable is set")
 # --- H3 ---
 
 

@@ -113,6 +113,12 @@ def test_flavours_that_compile_at_run_time_keep_the_compiler_and_say_why(rendere
     assert "g++" in vllm["Dockerfile.runtime"]
 
 
+def test_tensorrt_llm_says_its_image_carries_gcc(rendered):
+    final = rendered("qwen3-chat:cu130-sm90-trtllm")["Dockerfile.final"]
+    assert 'io.mopt.compiler="gcc"' in final and "gfortran" in final
+    assert 'io.mopt.compiler="none"' in rendered("qwen3-embed:cu121-sm86")["Dockerfile.final"]  # tensorrt
+
+
 def test_our_servers_get_prometheus_client(rendered):
     for variant_id in ("minilm-embed:cpu", "qwen3-embed:cu130-sm90-aot", "qwen3-embed:cu121-sm86"):
         assert "prometheus_client==" in rendered(variant_id)["Dockerfile.runtime"], variant_id
