@@ -122,3 +122,27 @@ def test_tensorrt_llm_says_its_image_carries_gcc(rendered):
 def test_our_servers_get_prometheus_client(rendered):
     for variant_id in ("minilm-embed:cpu", "qwen3-embed:cu130-sm90-aot", "qwen3-embed:cu121-sm86"):
         assert "prometheus_client==" in rendered(variant_id)["Dockerfile.runtime"], variant_id
+
+
+@pytest.mark.parametrize("changed,moved", [
+    ("runtime-torch-aot.Dockerfile.j2", {"runtime", "toolchain", "compile", "final"}),
+    ("toolchain-torch-aot.Dockerfile.j2", {"toolchain", "compile", "final"}),
+    ("final.Dockerfile.j2", {"final"}),
+])
+def test_toolchain_stage_key_chain(tmp_path, changed, moved):
+    """The compile key hangs on the toolchain's, which hangs on the runtime's: a changed compiler
+    recompiles the engine; the final image does not depend on the toolchain but on the engine."""
+    import shutil
+
+    matrix = load_matrix(REPO / "matrix.yaml")
+    variants = make_plan(matrix).variants
+    variant = next(v for v in variants if v.id == "minilm-embed:cpu")
+
+    def keys(root: Path) -> dict[str, str]:
+        return {s["name"]: s["key"] for s in render_variant(matrix, variant, root, DIGEST).manifest["stages"]}
+
+    shutil.copytree(REPO / "templates", tmp_path / "a")
+    shutil.copytree(REPO / "templates", tmp_path / "b")
+    (tmp_path / "b" / changed).write_text((tmp_path / "b" / changed).read_text() + "\n# changed\n")
+    a, b = keys(tmp_path / "a"), keys(tmp_path / "b")
+    assert {name for name in a if a[name] != b[name]} == moved
