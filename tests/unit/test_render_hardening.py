@@ -77,7 +77,10 @@ def test_healthcheck_reads_the_port_when_it_runs(rendered, variant_id):
 def test_engine_and_model_are_copied_owned_by_root(rendered, variant_id):
     final = rendered(variant_id)["Dockerfile.final"]
     copies = [line for line in final.splitlines() if line.startswith("COPY ")]
-    assert copies == ["COPY engine/ /opt/mopt/engine/", "COPY model/ /opt/mopt/model/"]
+    assert copies[:2] == ["COPY engine/ /opt/mopt/engine/", "COPY model/ /opt/mopt/model/"]
+    # only vLLM's compile cache, which vLLM writes into at start, goes to the serving user
+    assert copies[2:] == (["COPY --chown=10001:10001 engine/engine/vllm-cache/ /opt/mopt/engine/engine/vllm-cache/"]
+                          if "vllm" in variant_id else [])
     # the user switch comes after the copies and the root-only RUN
     assert final.index("USER 10001:10001") > max(final.index(c) for c in copies)
     assert final.index("USER 10001:10001") > final.index("RUN ")
