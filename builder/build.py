@@ -1,5 +1,6 @@
 """Build one variant: base stage -> runtime stage -> engine compiled in a container of the exact
-runtime image -> final image FROM that runtime plus the engine.
+runtime image (or of its toolchain stage: that runtime plus a compiler, for backends that need one
+only to compile) -> final image FROM that runtime plus the engine.
 
 Every step has a content key; a step whose key is already built is skipped, so a second build
 with nothing changed does no build work. Stage images are tagged by key
@@ -100,6 +101,11 @@ def _link_tree(src: Path, dst: Path) -> None:
     for path in sorted(src.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and not path.name.startswith("."):
             _link_or_copy(path, dst / path.relative_to(src))
+
+
+def _readable_by_all(root: Path) -> None:
+    for path in root.rglob("*"):
+        path.chmod(path.stat().st_mode | (0o555 if path.is_dir() else 0o444))
 
 
 class Builder:
@@ -251,7 +257,7 @@ class Builder:
             self.log(f"  compile: engine up to date ({engine_dir})")
             return StageRecord(name="compile", key=key, image=str(engine_dir), image_id="", skipped=True, seconds=0.0)
         start = time.monotonic()
-        self.log(f"  compile: {variant.backend} engine for {target_sm} in a container of runtime "
+        self.log(f"  compile: {variant.backend} engine for {target_sm} in a container of {runtime.name} "
                  f"{runtime.image_id[:19]}")
         with tempfile.TemporaryDirectory(prefix="mopt-compile-", dir=self.state.engines) as tmp:
             out = Path(tmp) / "out"
@@ -321,10 +327,15 @@ class Builder:
         runtime = self._stage(variant, "runtime", runtime_key, build_runtime)
         stages.append(runtime)
 
+        compiler = runtime
+        if "toolchain" in keys:
+            compiler = self._toolchain(variant, render_dir, runtime, keys["toolchain"], lock_files, lock_digest)
+            stages.append(compiler)
+
         choice = choose(entry.recipe, self.options.models)
         model = materialise(entry.recipe, choice, self.state.models, lambda line: self.log("  " + line),
                             generate=self._generate_model(variant, runtime))
-        compiled = self._compile(variant, rendered, render_dir, runtime, model)
+        compiled = self._compile(variant, rendered, render_dir, compiler, model)
         stages.append(compiled)
         engine_dir = Path(compiled.image)
         engine_json = json.loads((engine_dir / "engine.json").read_text())
@@ -337,6 +348,7 @@ class Builder:
             shutil.rmtree(context, ignore_errors=True)
             _link_tree(engine_dir, context / "engine")
             _link_tree(model.path, context / "model")
+            _readable_by_all(context)  # the image copies them owned by root: the serving user must read them
             try:
                 image_id = self._docker_build(
                     variant, "final", render_dir / "Dockerfile.final", context, tag, final_key,
@@ -361,6 +373,26 @@ class Builder:
             dimension=model.dimension, notes=(model.note,) if model.note else ())
         self._record(variant, result)
         return result
+
+    def _toolchain(self, variant: Variant, render_dir: Path, runtime: StageRecord, render_key: str,
+                   lock_files: dict[str, str], lock_digest: str) -> StageRecord:
+        """The runtime plus a compiler, for the compile step only. Its layers must start with the runtime's:
+        the engine is built by the very torch binaries the final image loads it with."""
+        key = sha256_text(render_key, runtime.image_id, lock_digest)
+
+        def build(tag: str) -> str:
+            context = self.state.context("toolchain", key)
+            shutil.rmtree(context, ignore_errors=True)
+            self._write_context_lock(context, lock_files)
+            try:
+                image_id = self._docker_build(variant, "toolchain", render_dir / "Dockerfile.toolchain", context, tag,
+                                              key, {"RUNTIME_IMAGE": runtime.image}, {})
+            finally:
+                shutil.rmtree(context, ignore_errors=True)
+            self._verify_parent(variant, runtime, tag)
+            return image_id
+
+        return self._stage(variant, "toolchain", key, build)
 
     def _lock_files(self, variant: Variant, render_dir: Path, base_id: str) -> dict[str, str]:
         """lock/ in the base and runtime contexts: empty unless --locked (then the pinned sets)."""
@@ -391,12 +423,12 @@ class Builder:
             (lock_dir / name).write_text(text)
 
     def _verify_parent(self, variant: Variant, runtime: StageRecord, tag: str) -> None:
-        """The final image must sit on exactly the runtime image the engine was compiled in."""
+        """The final (or toolchain) image must sit on exactly the runtime image the engine was compiled in."""
         runtime_layers = (self._inspect(runtime.image_id) or {}).get("RootFS", {}).get("Layers", [])
         final_layers = (self._inspect(tag) or {}).get("RootFS", {}).get("Layers", [])
         if not runtime_layers or final_layers[: len(runtime_layers)] != runtime_layers:
             run_docker(["rmi", tag], docker=self.docker, check=False)
-            raise BuildError(f"{variant.id}: the final image is not built on runtime {runtime.image_id[:19]}; "
+            raise BuildError(f"{variant.id}: {tag} is not built on runtime {runtime.image_id[:19]}; "
                              "refusing to tag it")
 
     def _record(self, variant: Variant, result: BuildResult) -> None:

@@ -68,9 +68,33 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "normalize": recipe.normalize, "instruction": recipe.instruction, "min_cosine": recipe.min_cosine,
         "description": recipe.description,
         "license": recipe.license, "source_url": recipe.source_url, "model_source": recipe.model.text,
-        "serve_command": list(recipe.serve_command), "port": recipe.port,
+        "entrypoint": entrypoint(recipe.serve_command), "port": recipe.port, "max_inputs": recipe.max_inputs,
+        "max_wait_ms": recipe.max_wait_ms,
         "source_date_epoch": _source_date_epoch(matrix),
     }
+
+
+def entrypoint(serve_command: tuple[str, ...]) -> list[str]:
+    """The final image's ENTRYPOINT: the recipe's serve command without a --port. The port is the image's
+    MOPT_PORT (serve.port), which the HEALTHCHECK reads too: a --port in the command would pin the server
+    and leave `-e MOPT_PORT=...` moving the check alone."""
+    argv, skip = [], False
+    for arg in serve_command:
+        if skip:
+            skip = False
+        elif arg == "--port":
+            skip = True
+        elif not arg.startswith("--port="):
+            argv.append(arg)
+    return argv
+
+
+def toolchain_template(templates: Path, backend_name: str) -> str | None:
+    """A backend whose engine needs a compiler to build but not to serve has a toolchain template: the
+    compile step runs in an image FROM the runtime plus the compiler, and the final image is FROM the
+    runtime, so it ships none."""
+    name = f"toolchain-{backend_name}.Dockerfile.j2"
+    return name if (templates / name).is_file() else None
 
 
 def _source_date_epoch(matrix: Matrix) -> int:
@@ -103,6 +127,9 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         "compile.sh": _render_template(env, "compile.sh.j2", context),
         "Dockerfile.final": _render_template(env, "final.Dockerfile.j2", context),
     }
+    toolchain = toolchain_template(templates, variant.backend)
+    if toolchain:
+        files["Dockerfile.toolchain"] = _render_template(env, toolchain, context)
     # The guard names the tag that fits a host's GPU: same image, flavour and CUDA, other sm.
     same_flavour = [v for v in (*siblings, variant) if v.image == variant.image and v.flavour == variant.flavour
                     and v.resolved.get("cuda") == variant.resolved.get("cuda")]
@@ -113,9 +140,10 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
     files["smoke-inputs.json"] = dump_json(list(recipe.smoke_inputs))
     base_key = sha256_text("base", files["Dockerfile.base"])
     runtime_key = sha256_text("runtime", base_key, files["Dockerfile.runtime"], runtime_digest)
+    toolchain_key = sha256_text("toolchain", runtime_key, files["Dockerfile.toolchain"]) if toolchain else None
     # Only what reaches the compile step: engine params (compile.sh), tags, reference texts.
-    compile_key = sha256_text("compile", runtime_key, files["compile.sh"], files["image-info.json"],
-                              files["smoke-inputs.json"])
+    compile_key = sha256_text("compile", toolchain_key or runtime_key, files["compile.sh"],
+                              files["image-info.json"], files["smoke-inputs.json"])
     final_key = sha256_text("final", compile_key, files["Dockerfile.final"])
     manifest = {
         "schema": 1,
@@ -149,8 +177,10 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
              "base_kind": variant.resolved["base"]["kind"], "key": base_key},
             {"name": "runtime", "file": "Dockerfile.runtime", "parent": "base", "context": ["mopt_runtime"],
              "key": runtime_key},
-            {"name": "compile", "file": "compile.sh", "parent": "runtime", "gpu": variant.device == "cuda",
-             "key": compile_key},
+            *([{"name": "toolchain", "file": "Dockerfile.toolchain", "parent": "runtime", "key": toolchain_key}]
+              if toolchain else []),
+            {"name": "compile", "file": "compile.sh", "parent": "toolchain" if toolchain else "runtime",
+             "gpu": variant.device == "cuda", "key": compile_key},
             {"name": "final", "file": "Dockerfile.final", "parent": "runtime", "key": final_key},
         ],
     }

@@ -162,10 +162,9 @@ def _guard_refuses_tampered(spec: SmokeSpec, run_id: str) -> None:
         path.write_text(json.dumps(tampered))
         path.chmod(0o644)
         Path(tmp).chmod(0o755)
-        container = client.containers.run(
-            spec.image, ["python", "-m", "mopt_runtime", "serve", "--engine-dir", "/opt/mopt/engine"],
-            detach=True, labels={SMOKE_LABEL: run_id}, volumes={str(path): {"bind": ENGINE_JSON, "mode": "ro"}},
-            **_device_kwargs(spec))
+        container = client.containers.run(  # the image's own start (ENTRYPOINT, MOPT_ENGINE_DIR)
+            spec.image, detach=True, labels={SMOKE_LABEL: run_id},
+            volumes={str(path): {"bind": ENGINE_JSON, "mode": "ro"}}, **_device_kwargs(spec))
         try:
             code = container.wait(timeout=spec.start_timeout_s)["StatusCode"]
             logs = container.logs().decode(errors="replace")

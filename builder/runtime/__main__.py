@@ -66,6 +66,15 @@ def _load_json_arg(flag: str, text: str | None, expect: type):
     return value
 
 
+# --- H3 ---
+def _engine_dir_argument(parser: argparse.ArgumentParser, command: str) -> None:
+    """--engine-dir, by default MOPT_ENGINE_DIR (the images set it): `docker run IMAGE` needs no flag."""
+    _env_argument(parser, command, "--engine-dir", "MOPT_ENGINE_DIR", default=None,
+                  required=not os.environ.get("MOPT_ENGINE_DIR"),
+                  help="engine dir (engine.json + engine/); required unless the variable is set")
+# --- H3 ---
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mopt_runtime", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -114,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trt-workspace-mib", type=int, default=4096)
 
     k = sub.add_parser("check", help="run the start-up guard only (exit 3 on mismatch)")
-    k.add_argument("--engine-dir", required=True)
+    _engine_dir_argument(k, "check")  # H3
 
     s = sub.add_parser("serve", help="guard, then serve POST /v1/embeddings, /health, /metrics")
-    s.add_argument("--engine-dir", required=True)
+    _engine_dir_argument(s, "serve")  # H3
     _env_argument(s, "serve", "--host", "MOPT_HOST", default="0.0.0.0", help="address to listen on")
     _env_argument(s, "serve", "--port", "MOPT_PORT", type=int, default=8000, help="port to listen on")
     _env_argument(s, "serve", "--max-batch", "MOPT_MAX_BATCH", type=int, default=None,

@@ -58,7 +58,7 @@ def test_host_descriptors_and_runtime_registry_agree():
         assert (REPO / "templates" / spec.runtime_template).is_file(), spec.runtime_template
         assert spec.verify == (name != "tensorrt-llm")  # only the chat backend skips the accuracy check
     assert host["torch-aot"].version_axis == "torch" and host["vllm"].version_axis == "vllm"
-    assert host["tensorrt"].runtime_packages == ("onnx==1.19.1",)
+    assert host["tensorrt"].runtime_packages == ("onnx==1.19.1", "prometheus_client==0.26.0")
 
 
 def test_a_descriptor_is_validated(tmp_path):

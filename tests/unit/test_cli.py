@@ -66,7 +66,7 @@ def test_render_writes_directories(tmp_path):
         assert (tmp_path / "minilm-embed" / "cpu" / name).is_file()
     manifest = json.loads((tmp_path / "qwen3-embed" / "cpu" / "manifest.json").read_text())
     assert manifest["id"] == "qwen3-embed:cpu" and [s["name"] for s in manifest["stages"]] == [
-        "base", "runtime", "compile", "final"]
+        "base", "runtime", "toolchain", "compile", "final"]
 
 
 def test_matrix_github():

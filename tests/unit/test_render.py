@@ -65,12 +65,14 @@ def test_final_stage_labels_and_nvidia_env(planned):
     cpu = next(v for v in plan.variants if v.id == "minilm-embed:cpu")
     cpu_files = render_variant(matrix, cpu, repo / "templates", FIXED_RUNTIME_DIGEST).files
     assert "NVIDIA_REQUIRE_CUDA" not in cpu_files["Dockerfile.final"]
-    # AOTInductor's C++ build on CUDA needs the CUDA headers and libcuda's link stub; the cpu image does not
-    runtime = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST).files["Dockerfile.runtime"]
-    assert "for p in g++ python3-dev cuda-cudart-dev-12-8 cuda-driver-dev-12-8; do" in runtime
-    assert "CUDA_HOME=/usr/local/cuda" in runtime
-    cpu_runtime = cpu_files["Dockerfile.runtime"]
-    assert "cuda-cudart-dev" not in cpu_runtime and "CUDA_HOME" not in cpu_runtime
+    # AOTInductor's C++ build on CUDA needs the CUDA headers and libcuda's link stub, in the toolchain
+    # stage (compile only); the cpu image needs neither, and no runtime stage of torch-aot has a compiler
+    files = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST).files
+    assert "for p in g++ python3-dev cuda-cudart-dev-12-8 cuda-driver-dev-12-8; do" in files["Dockerfile.toolchain"]
+    assert "CUDA_HOME=/usr/local/cuda" in files["Dockerfile.toolchain"]
+    assert "g++" not in files["Dockerfile.runtime"] and "CUDA_HOME" not in files["Dockerfile.runtime"]
+    cpu_toolchain = cpu_files["Dockerfile.toolchain"]
+    assert "for p in g++ python3-dev; do" in cpu_toolchain and "CUDA_HOME" not in cpu_toolchain
 
 
 def test_no_syntax_directive_and_secrets_only_as_mounts(planned):

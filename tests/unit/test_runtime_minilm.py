@@ -94,10 +94,13 @@ def test_compile_writes_fingerprint(engine):
     root = out / "engine"
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert sorted(data["engine_files"]) == files
-    assert {"model.pt2", "tokenizer.json", "config.json"} <= set(files)
+    # The package ships unpacked (no .pt2 to unpack into /tmp at start); its .so is the hashed artifact.
+    assert {"tokenizer.json", "config.json"} <= set(files) and "model.pt2" not in files
+    (so,) = [f for f in files if f.startswith("aoti/") and f.endswith(".so")]
+    assert data["artifact"] == so
     for rel, digest in data["engine_files"].items():
         assert fingerprint.sha256_file(out / "engine" / rel) == digest
-    assert data["engine_sha256"] == data["engine_files"]["model.pt2"] == summary["engine_sha256"]
+    assert data["engine_sha256"] == data["engine_files"][so] == summary["engine_sha256"]
     assert data["model_digest"] == fingerprint.model_digest(minilm_dir())
     assert summary["engine_min_cosine"] >= 0.999
 

@@ -1,8 +1,14 @@
-"""torch.export + AOTInductor package (engine/model.pt2), CPU and CUDA.
+"""torch.export + AOTInductor, CPU and CUDA: the package's shared library, unpacked (engine/aoti/).
 
-The package is a C++ shared library (generated wrapper + kernels + weights). Loading it needs torch
-alone: the loader calls torch's C++ package loader directly rather than through torch._inductor,
-whose import chain (Dynamo, sympy, the compiler) costs seconds of every start.
+AOTInductor writes a .pt2 package: a zip holding a C++ shared library (generated wrapper + kernels,
+the weights appended to it) and, on CUDA, the kernel binaries. torch's package loader unpacks that
+zip into a temp dir at every start and dlopens the .so from there, which fails on a noexec /tmp
+(Docker's --tmpfs, a hardened Kubernetes pod) and writes an executable at start. So the compile step
+unpacks the package into the engine dir once (engine/aoti/, every file hashed in engine.json like the
+rest of the engine) and drops the .pt2; the loader hands the .so to torch's model container runner
+(torch._C._aoti), which maps it in place and writes nothing. Same library, same outputs (bit-identical
+to the package loader's on all-MiniLM-L6-v2). Loading needs torch alone, not torch._inductor, whose
+import chain (Dynamo, sympy, the compiler) costs seconds of every start.
 
 The compile step loads the finished package in a fresh process before it ships: a .so that crashes
 when loaded (e.g. built by a C++ compiler that linked its own libstdc++ into it, which then meets the
@@ -16,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -26,7 +33,13 @@ from ..params import EngineParams
 from ..sdpa import sdpa_kernels, sdpa_summary
 from .torch_common import DTYPES, build_module, eager_reference, export_graph, inductor_options, tuned_example
 
-ARTIFACT = "model.pt2"
+PACKAGE = "model.pt2"  # written by the compile step, unpacked, then removed (engines of older builds keep it)
+UNPACKED = "aoti"  # engine/aoti/: the package's model files (the .so, its metadata, CUDA kernel binaries)
+# Inside the zip (its root is the package file's stem): the model files under data/aotinductor/<model
+# name>/, the rest archive bookkeeping. The same layout in torch 2.11 (CUDA: .cubin files beside the .so)
+# and 2.13.
+_PACKAGE_MODEL_DIR = "data/aotinductor/model/"
+_PACKAGE_BOOKKEEPING = ("archive_format", "archive_version", "byteorder", ".data/")
 
 
 def version() -> str:
@@ -43,14 +56,40 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     options = inductor_options(params.compile_mode)
     with torch.inference_mode(False), torch.no_grad(), kernels:
         exported, dims = export_graph(module, example, params)
-        path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / ARTIFACT),
+        path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / PACKAGE),
                                                         inductor_configs=dict(options))  # it adds keys
-    check_loads_fresh(Path(path), params)
+    so = unpack(Path(path), out_dir / UNPACKED)
+    Path(path).unlink()  # the unpacked files are the engine: shipping both would double the image's weights
+    check_loads_fresh(out_dir, params)
     recorded = {"tuned_for": "x".join(map(str, example[0].shape)), "inductor_options": options}
     if params.device == "cuda":
         recorded["sdpa"] = sdpa_summary(exported.graph)
-    return {"artifact": Path(path).name, "export_dims": dims, "embedding_dim": int(module.body.config.hidden_size),
-            "fingerprint": recorded}  # in engine.json
+    return {"artifact": so.relative_to(out_dir).as_posix(), "export_dims": dims,
+            "embedding_dim": int(module.body.config.hidden_size), "fingerprint": recorded}  # in engine.json
+
+
+def unpack(package: Path, dest: Path) -> Path:
+    """Unpack the package's model files into DEST (what torch's loader does at every start) and return
+    the .so. Refuses a package with anything else in it (weights kept outside the .so, several models):
+    the runner in load() would not find it."""
+    root = package.stem + "/"
+    model_dir, bookkeeping = root + _PACKAGE_MODEL_DIR, tuple(root + b for b in _PACKAGE_BOOKKEEPING)
+    with zipfile.ZipFile(package) as zf:
+        model, unexpected = [], []
+        for name in (n for n in zf.namelist() if not n.endswith("/")):
+            if name.startswith(bookkeeping):
+                continue
+            rel = name[len(model_dir):] if name.startswith(model_dir) else ""
+            (model if rel and "/" not in rel else unexpected).append(name)
+        if unexpected:
+            raise RuntimeError(f"{package.name} holds files the unpacked loader does not use: {unexpected[:5]}")
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in model:
+            (dest / name[len(model_dir):]).write_bytes(zf.read(name))
+    libraries = sorted(dest.glob("*.so"))
+    if len(libraries) != 1:
+        raise RuntimeError(f"{package.name} should hold one shared library, found {[p.name for p in libraries]}")
+    return libraries[0]
 
 
 # Run by check_loads_fresh in a child: load the package the way load() does, call it once.
@@ -59,42 +98,36 @@ import importlib, json, sys
 torch_aot = importlib.import_module(sys.argv[3])
 common = importlib.import_module(sys.argv[3].rpartition(".")[0] + ".torch_common")
 params = torch_aot.EngineParams.from_dict(json.loads(sys.argv[2]))
-run = torch_aot.load(sys.argv[1], params)
+run = torch_aot.load(sys.argv[1], params)  # the engine dir, as served
 out = run(*common.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
 print("LOADED", tuple(out.shape))
 """
 
 
-def check_loads_fresh(package: Path, params: EngineParams) -> None:
-    """Load the package and call it in a fresh process: a crash there must fail the build, not the
+def check_loads_fresh(engine_dir: Path, params: EngineParams) -> None:
+    """Load the engine and call it in a fresh process: a crash there must fail the build, not the
     first container start."""
     # this module by its own name (builder.runtime... here, mopt_runtime... in images), from the dir above it
     root = Path(__file__).resolve().parents[len(__name__.split(".")) - 1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(package.parent), json.dumps(params.to_dict()),
+    proc = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(engine_dir), json.dumps(params.to_dict()),
                            __name__], capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode == 0 and "LOADED" in proc.stdout:
         return
     how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
     detail = proc.stderr.strip().splitlines()[-1:] if proc.returncode > 0 else []
-    raise RuntimeError(f"the compiled package {package.name} does not load: a fresh process loading it {how}"
-                       f"{': ' + detail[0] if detail else ''}{cxx_runtime_hint(package)}")
+    libraries = sorted((engine_dir / UNPACKED).glob("*.so"))
+    raise RuntimeError(f"the compiled library {libraries[0].name if libraries else '(none)'} does not load: a "
+                       f"fresh process loading it {how}{': ' + detail[0] if detail else ''}"
+                       f"{cxx_runtime_hint(libraries[0]) if libraries else ''}")
 
 
-def cxx_runtime_hint(package: Path) -> str:
-    """Why a package's .so may crash at load: a C++ runtime of its own, linked in by the compiler."""
-    import tempfile
-    import zipfile
-
+def cxx_runtime_hint(so: Path) -> str:
+    """Why a .so may crash at load: a C++ runtime of its own, linked in by the compiler."""
     readelf = shutil.which("readelf")
     if readelf is None:
         return ""
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(package) as zf:
-        names = [n for n in zf.namelist() if n.endswith(".so")]
-        if not names:
-            return ""
-        so = zf.extract(names[0], tmp)
-        needed = subprocess.run([readelf, "-d", so], capture_output=True, text=True).stdout
+    needed = subprocess.run([readelf, "-d", str(so)], capture_output=True, text=True).stdout
     if "libstdc++.so" in needed:
         return ""
     compiler = os.environ.get("CXX") or "g++"
@@ -116,8 +149,23 @@ def _package_runner(path: str):
     return lambda ids, mask: loader.run([ids, mask])[0]
 
 
+def _library_runner(unpacked: Path, device: str):
+    """torch's model container runner on the unpacked .so: dlopen in place, nothing written. The CUDA
+    runner finds the kernel binaries (cubin_dir) next to the .so, where the package loader put them."""
+    (so,) = sorted(unpacked.glob("*.so"))  # the compile step checked there is exactly one
+    if device == "cuda":
+        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(so), 1, "cuda", str(unpacked))
+    else:
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+    return lambda ids, mask: runner.run([ids, mask])[0]
+
+
 def load(engine_dir: str | Path, params: EngineParams):
-    runner = _package_runner(str(Path(engine_dir) / ARTIFACT))
+    engine_dir = Path(engine_dir)
+    if (engine_dir / UNPACKED).is_dir():
+        runner = _library_runner(engine_dir / UNPACKED, params.device)
+    else:  # an engine compiled before the unpacking: the package loader unpacks into TMPDIR at start
+        runner = _package_runner(str(engine_dir / PACKAGE))
     device = params.device
 
     def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""The cpu MiniLM demo image run the way docs/hardening.md says: read-only root, a plain (noexec)
+tmpfs /tmp, no capabilities, no-new-privileges, an arbitrary non-root uid; arguments after the image
+name and MOPT_PORT reaching the server and its HEALTHCHECK; no setuid files, compiler or pip; the
+engine and model owned by root and not writable by the serving user. Every wait is bounded."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+import requests
+
+from builder.dockerclient import run_docker
+from builder.state import StateDir
+from tests.integration.conftest import STATE, mopt_cli
+
+pytestmark = pytest.mark.integration
+LABEL = "io.mopt.test=hardened-image"
+HARDENED = ["--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+START_TIMEOUT_S = 120
+TEXTS = ["A man is eating food.", "Containers ship inference engines."]
+
+
+@pytest.fixture(scope="module")
+def cpu_demo_image(docker_cli) -> str:
+    """The cpu MiniLM demo image built by `mopt build` as users build it (the session's shared state
+    dir: a machine that already built it reuses its stages and engine)."""
+    result = mopt_cli("build", "--select", "minilm-embed:cpu")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return StateDir(STATE).read_record("minilm-embed", "cpu").image_id
+
+
+@pytest.fixture
+def start(docker_cli, cpu_demo_image):
+    """start(docker_args, image_args, port) -> (container id, base URL); containers removed afterwards."""
+    started: list[str] = []
+
+    def run(docker_args: list[str], image_args: list[str] = (), port: int = 8000) -> tuple[str, str]:
+        name = f"mopt-hardened-{uuid.uuid4().hex[:10]}"
+        run_docker(["run", "-d", "--name", name, "--label", LABEL, "-p", f"127.0.0.1::{port}", *docker_args,
+                    cpu_demo_image, *image_args], docker=docker_cli, timeout=60)
+        started.append(name)
+        mapped = run_docker(["port", name, f"{port}/tcp"], docker=docker_cli, timeout=30).stdout.split()[0]
+        return name, f"http://127.0.0.1:{mapped.rsplit(':', 1)[1]}"
+
+    yield run
+    for name in started:
+        run_docker(["rm", "-f", name], docker=docker_cli, check=False, timeout=60)
+
+
+def wait_healthy(docker_cli, name: str, base: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = json.loads(run_docker(["inspect", "-f", "{{json .State}}", name], docker=docker_cli).stdout)
+        if state["Status"] == "exited":
+            logs = run_docker(["logs", name], docker=docker_cli, check=False).stdout
+            pytest.fail(f"the container exited ({state['ExitCode']}) before answering /health:\n{logs[-1500:]}")
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"/health did not answer 200 within {START_TIMEOUT_S}s")
+
+
+def embed(base: str, texts: list[str]) -> requests.Response:
+    return requests.post(f"{base}/v1/embeddings", json={"input": texts, "model": "m"}, timeout=60)
+
+
+def in_image(docker_cli, image: str, script: str, user: str | None = None) -> str:
+    """SCRIPT's output in a throwaway container of IMAGE (entrypoint sh), as USER or the image's user."""
+    argv = ["run", "--rm", "--network", "none", "--entrypoint", "sh", *(["--user", user] if user else []),
+            image, "-c", script]
+    return run_docker(argv, docker=docker_cli, timeout=120).stdout
+
+
+def test_hardened_run_serves_embeddings(docker_cli, start):
+    name, base = start([*HARDENED, "--user", "4242:4242"])
+    wait_healthy(docker_cli, name, base)
+    response = embed(base, TEXTS)
+    assert response.status_code == 200, response.text[:300]
+    assert [len(d["embedding"]) for d in response.json()["data"]] == [384, 384]
+    # /tmp is the plain Docker tmpfs (noexec), and the server wrote no shared library anywhere there
+    mounts = run_docker(["exec", name, "grep", " /tmp ", "/proc/mounts"], docker=docker_cli).stdout
+    assert "noexec" in mounts.split()[3].split(","), mounts
+    found = run_docker(["exec", name, "find", "/tmp", "-name", "*.so*"], docker=docker_cli).stdout
+    assert found.strip() == ""
+    status = run_docker(["exec", name, "grep", "-E", "^(Uid|CapEff|NoNewPrivs):", "/proc/1/status"],
+                        docker=docker_cli).stdout
+    fields = dict(line.split(":", 1) for line in status.splitlines())
+    assert fields["Uid"].split()[0] == "4242" and int(fields["CapEff"].strip(), 16) == 0
+    assert fields["NoNewPrivs"].strip() == "1"
+
+
+def test_arguments_after_the_image_name_reach_the_server(docker_cli, start):
+    name, base = start([], ["--max-inputs", "1"])
+    wait_healthy(docker_cli, name, base)
+    assert embed(base, TEXTS[:1]).status_code == 200
+    too_many = embed(base, TEXTS)
+    assert too_many.status_code == 400, too_many.text[:300]
+
+
+def test_mopt_port_moves_the_server_and_its_healthcheck(docker_cli, start):
+    name, base = start(["-e", "MOPT_PORT=9000"], port=9000)
+    wait_healthy(docker_cli, name, base)
+    # The image's HEALTHCHECK (every 10 s) must reach the server on 9000 too: bounded wait for "healthy".
+    deadline = time.monotonic() + 60
+    health = None
+    while time.monotonic() < deadline:
+        health = json.loads(run_docker(["inspect", "-f", "{{json .State.Health}}", name], docker=docker_cli).stdout)
+        if health and health["Status"] in ("healthy", "unhealthy"):
+            break
+        time.sleep(1)
+    assert health and health["Status"] == "healthy", health
+
+
+def test_entrypoint_cmd_labels_and_env(docker_cli, cpu_demo_image):
+    config = json.loads(run_docker(["image", "inspect", cpu_demo_image], docker=docker_cli).stdout)[0]["Config"]
+    assert config["Entrypoint"] == ["python", "-m", "mopt_runtime", "serve"]
+    assert not config["Cmd"]
+    env = dict(item.split("=", 1) for item in config["Env"])
+    assert env["MOPT_PORT"] == "8000" and env["MOPT_ENGINE_DIR"] == "/opt/mopt/engine"
+    assert env["MOPT_MAX_INPUTS"] == "128"  # images/minilm-embed/image.yaml serve.max_inputs
+    assert config["Labels"]["io.mopt.compiler"] == "none" and config["User"] == "10001:10001"
+
+
+def test_no_setuid_files_no_compiler_no_pip(docker_cli, cpu_demo_image):
+    # as root, so that find sees every directory (the image's user may not read /root)
+    assert in_image(docker_cli, cpu_demo_image, "find / -xdev -perm /6000 -type f", user="0").strip() == ""
+    found = in_image(docker_cli, cpu_demo_image,
+                     "for c in g++ gcc cc c++ pip pip3; do command -v $c || true; done; "
+                     "python -m pip --version > /dev/null 2>&1 && echo python-m-pip || true")
+    assert found.strip() == ""
+
+
+def test_engine_and_model_are_root_owned_and_read_only_to_the_server(docker_cli, cpu_demo_image):
+    # nothing under them belongs to anyone but root or is writable by group or others
+    script = "find /opt/mopt/engine /opt/mopt/model \\( ! -user root -o -perm /022 \\) -print"
+    assert in_image(docker_cli, cpu_demo_image, script).strip() == ""
+    # and the serving user (the image's USER) can read them but not write any of them
+    probe = ("cd /opt/mopt && for p in engine engine/engine.json engine/engine model $(find engine model -type f); "
+             "do test -w $p && echo writable: $p; test -r $p || echo unreadable: $p; done; echo done")
+    assert in_image(docker_cli, cpu_demo_image, probe).split() == ["done"]
+    assert in_image(docker_cli, cpu_demo_image, "id -u").strip() == "10001"
