@@ -55,6 +55,7 @@ class Recipe:
     pooling: str
     normalize: bool
     instruction: str
+    matryoshka_min_dim: int | None  # the smallest `dimensions` a request may ask; None: no Matryoshka
     engine: EngineParams
     serve_command: tuple[str, ...]
     port: int
@@ -108,6 +109,7 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         pooling=data.get("embedding", {}).get("pooling", "last"),
         normalize=data.get("embedding", {}).get("normalize", False),
         instruction=data.get("embedding", {}).get("instruction", ""),
+        matryoshka_min_dim=data.get("embedding", {}).get("matryoshka_min_dim"),
         engine=EngineParams(
             max_batch=engine["max_batch"],
             max_seq_len=engine["max_seq_len"],

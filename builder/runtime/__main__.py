@@ -66,13 +66,11 @@ def _load_json_arg(flag: str, text: str | None, expect: type):
     return value
 
 
-# --- H3 ---
 def _engine_dir_argument(parser: argparse.ArgumentParser, command: str) -> None:
     """--engine-dir, by default MOPT_ENGINE_DIR (the images set it): `docker run IMAGE` needs no flag."""
     _env_argument(parser, command, "--engine-dir", "MOPT_ENGINE_DIR", default=None,
                   required=not os.environ.get("MOPT_ENGINE_DIR"),
                   help="engine dir (engine.json + engine/); required unless the variable is set")
-# --- H3 ---
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,11 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-cosine", type=float, default=None,
                    help="refuse (exit 4) an engine whose cosine vs the reference is lower (default 0.99; "
                         "needs --verify)")
-    # --- H2 flags ---
     c.add_argument("--matryoshka-min-dim", type=int, default=None,
                    help="the model serves Matryoshka dimensions from this one up to the full one "
                         "(Qwen3-Embedding: 32); requests' 'dimensions' truncate and re-normalise")
-    # --- end H2 flags ---
     t = c.add_argument_group("tensorrt", "optimisation profile and builder options (--backend tensorrt)")
     t.add_argument("--trt-min-batch", type=int, default=1)
     t.add_argument("--trt-opt-batch", type=int, default=0, help="0: --max-batch")
@@ -141,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
                   help="tokens per input; default and ceiling: the engine's max_seq_len")
     _env_argument(s, "serve", "--max-body-bytes", "MOPT_MAX_BODY_BYTES", type=int, default=4 << 20,
                   help="request body size")
-    # --- H2 flags ---
     _env_argument(s, "serve", "--max-input-chars", "MOPT_MAX_INPUT_CHARS", type=int, default=None,
                   help="characters per input, checked before tokenizing (default: 8 x the token limit)")
     _env_argument(s, "serve", "--max-request-tokens", "MOPT_MAX_REQUEST_TOKENS", type=int, default=131072,
@@ -152,8 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
                   action=argparse.BooleanOptionalAction,
                   help="truncate over-long inputs when a request does not say (default off: a silent cut "
                        "changes the embedding, so over-long input is a 400)")
-    # --- end H2 flags ---
-    # --- H1 flags ---
     _env_argument(s, "serve", "--api-key", "MOPT_API_KEY", default=None,
                   help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics unless "
                        "--metrics-auth); prefer the variable or --api-key-file: a flag shows in ps")
@@ -176,7 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "(docker stop: 10 s, Kubernetes terminationGracePeriodSeconds: 30 s)")
     _env_argument(s, "serve", "--log-format", "MOPT_LOG_FORMAT", default="text", choices=("text", "json"),
                   help="json: one JSON object per log line (access lines at MOPT_LOG_LEVEL=INFO)")
-    # --- end H1 flags ---
 
     t = sub.add_parser("make-tiny-qwen3", help="write a tiny random Qwen3 checkpoint + tokenizer")
     t.add_argument("--out", required=True)
@@ -214,7 +206,7 @@ def cmd_check(a) -> dict:
             "device": data["device"], "target_sm": data["target_sm"], "engine_sha256": data["engine_sha256"]}
 
 
-# --- H1 flags: the serve flags as HttpOptions ---
+# The serve flags as HttpOptions.
 def http_options(a):
     """HttpOptions from the serve flags."""
     from .server import HttpOptions
@@ -238,7 +230,6 @@ def http_options(a):
                        max_connections=a.max_connections, max_header_bytes=a.max_header_bytes,
                        request_timeout_s=a.request_timeout, idle_timeout_s=a.idle_timeout,
                        drain_timeout_s=a.drain_timeout, json_logs=a.log_format == "json")
-# --- end H1 flags ---
 
 
 def cmd_serve(a) -> int:

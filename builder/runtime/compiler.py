@@ -73,6 +73,10 @@ def compile_engine(model_dir: str | Path, out_dir: str | Path, params: EnginePar
         raise CompileError(f"{params.backend} compile of {model_dir} failed: "
                            f"{type(exc).__name__}: {exc}") from exc
     compile_seconds = round(time.monotonic() - started, 2)
+    min_dim = params.matryoshka_min_dim
+    if min_dim is not None and min_dim > info["embedding_dim"]:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UsageError(f"--matryoshka-min-dim {min_dim} is more than the model's {info['embedding_dim']} dimensions")
     copy_tokenizer_files(model_dir, staging)
     shutil.copyfile(model_dir / "config.json", staging / "config.json")
     shutil.rmtree(engine_dir, ignore_errors=True)

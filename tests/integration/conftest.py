@@ -47,3 +47,14 @@ def copy_matrix(directory: Path) -> Path:
         src = REPO / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, directory / name)
     return directory
+
+
+@pytest.fixture(scope="session")
+def cpu_demo_image(docker_cli) -> str:
+    """The image id of the cpu MiniLM demo image, built (and smoke-tested) by `mopt build` as users
+    build it; a session that already built or released it reuses the state dir's stages and engine."""
+    from builder.state import StateDir
+
+    result = mopt_cli("build", "--select", "minilm-embed:cpu")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return StateDir(STATE).read_record("minilm-embed", "cpu").image_id

@@ -12,23 +12,12 @@ import pytest
 import requests
 
 from builder.dockerclient import run_docker
-from builder.state import StateDir
-from tests.integration.conftest import STATE, mopt_cli
 
 pytestmark = pytest.mark.integration
 LABEL = "io.mopt.test=hardened-image"
 HARDENED = ["--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
 START_TIMEOUT_S = 120
 TEXTS = ["A man is eating food.", "Containers ship inference engines."]
-
-
-@pytest.fixture(scope="module")
-def cpu_demo_image(docker_cli) -> str:
-    """The cpu MiniLM demo image built by `mopt build` as users build it (the session's shared state
-    dir: a machine that already built it reuses its stages and engine)."""
-    result = mopt_cli("build", "--select", "minilm-embed:cpu")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return StateDir(STATE).read_record("minilm-embed", "cpu").image_id
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ class EngineBackend(Protocol):
         """Start-up work that needs no engine file, overlapped with the guard's hashing (a no-op unless
         the registry says `prepares`)."""
 
-    def exec_serve(self, out_dir: str | Path, data: dict, host: str, port: int) -> None:
+    def exec_serve(self, out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
         """Replace this process with the backend's own server (own_server only; others raise UsageError)."""
 
 

@@ -318,7 +318,7 @@ def prepare(device: str) -> None:
     """Nothing to warm before the load."""
 
 
-def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
     raise UsageError("tensorrt engines are served by mopt's own server, not exec_serve")
 
 

@@ -184,5 +184,5 @@ def prepare(device: str) -> None:
     """Nothing to warm: the package loader needs torch alone."""
 
 
-def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
     raise UsageError("torch-aot engines are served by mopt's own server, not exec_serve")

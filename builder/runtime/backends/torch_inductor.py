@@ -376,5 +376,5 @@ def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[li
     return eager_reference(model_dir, texts, params)
 
 
-def exec_serve(out_dir: str | Path, data: dict, host: str, port: int) -> None:
+def exec_serve(out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
     raise UsageError("torch-inductor engines are served by mopt's own server, not exec_serve")

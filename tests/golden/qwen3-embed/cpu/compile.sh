@@ -14,6 +14,7 @@ exec python -m mopt_runtime compile \
   --pooling last \
   --normalize \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
+  --matryoshka-min-dim 32 \
   --compile-mode default \
   --attention causal \
   --min-cosine 0.99 \

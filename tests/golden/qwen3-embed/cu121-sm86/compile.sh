@@ -14,6 +14,7 @@ exec python -m mopt_runtime compile \
   --pooling last \
   --normalize \
   --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
+  --matryoshka-min-dim 32 \
   --target-sm 86 \
   --min-cosine 0.99 \
   --trt-min-batch 1 \
