@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 MEMORY_LIMIT = "1536m"
 MAX_CONNECTIONS = 12
-REQUEST_TIMEOUT_S = 20
+REQUEST_TIMEOUT_S = 45  # the largest requests, four at once, take ~20 s on 2 busy cores
 MAX_BODY = 4 << 20
 
 
@@ -165,11 +165,13 @@ class HealthPoller:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        while not self._stop.wait(0.25):
+        while True:  # at least one probe, however fast the attack ends
             try:
                 self.codes.append(request(self.port, "GET", "/health", timeout=10)[0])
             except OSError as exc:
                 self.codes.append(repr(exc))
+            if self._stop.wait(0.25):
+                return
 
     def __enter__(self):
         self._thread.start()
@@ -221,10 +223,8 @@ def test_largest_allowed_requests_at_once_succeed(served, info):
     payload = {"input": [text] * count, "truncate_prompt_tokens": -1}
     with HealthPoller(served.port) as poll:
         results = parallel(4, lambda: embed(served.port, payload, timeout=REQUEST_TIMEOUT_S + 30))
-    errors = [r for r in results if isinstance(r, Exception) or r[0] >= 500]
-    assert not errors, errors
     # Under load a request may be shed with a 503 (queue full, deadline); none may fail otherwise.
-    assert all(r[0] in (200, 503) for r in results), [r[0] for r in results]
+    assert all(not isinstance(r, Exception) and r[0] in (200, 503) for r in results), results
     assert any(r[0] == 200 and len(r[1]["data"]) == count for r in results)
     assert poll.codes and all(c == 200 for c in poll.codes), poll.codes
 
