@@ -70,6 +70,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/metrics": ("GET", "HEAD"), "/openapi.json": ("GET", "HEAD"),
 }
 EMBEDDING_ROUTES = ("/v1/embeddings", "/embeddings", "/embed")
+MAX_EMPTY_LINES = 4  # empty lines ignored before a request line (RFC 9112 2.2)
 OPEN_ROUTES = ("/health",)  # never need the key (container and load balancer health checks)
 
 
@@ -117,6 +118,10 @@ class _HeaderBudget:
         self.budget -= len(line)
         if self.budget < 0:
             raise _FramingError(431, "request headers are too large", "headers_too_large")
+        if line[:1] in (b" ", b"\t"):
+            # obs-fold (RFC 9112 5.2): the stdlib's parser joins the line to the header above, a proxy
+            # may read it as a header of its own ("X: a\r\n Transfer-Encoding: chunked"): refused.
+            raise _FramingError(400, "obsolete line folding in the request headers", "invalid_headers")
         return line
 
 
@@ -157,13 +162,7 @@ class Handler(BaseHTTPRequestHandler):
         # Until a request's first byte the idle bound applies; _DeadlineReader starts the request's own.
         self.waiting, self.deadline = True, self.started + self.options.idle_timeout_s
         try:
-            try:
-                self.raw_requestline = self.rfile.readline(self.options.max_header_bytes + 1)
-            except (TimeoutError, ConnectionError):
-                if self.waiting:  # an idle keep-alive connection, or the peer left: nobody to answer
-                    self.close_connection = True
-                    return
-                raise
+            self.raw_requestline = self._read_request_line()
             if not self.raw_requestline:
                 self.close_connection = True
                 return
@@ -172,6 +171,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.waiting, self.deadline = False, time.monotonic() + self.request_timeout
             if len(self.raw_requestline) > self.options.max_header_bytes:
                 self.send_error(414, "request line is too long")
+                return
+            if len(self.raw_requestline.split()) < 3:
+                # HTTP/0.9 ("GET /path") or an empty line: the stdlib would wait for headers first.
+                self.send_error(400, "HTTP/0.9 and request lines without a version are not supported")
                 return
             real_rfile, self.rfile = self.rfile, _HeaderBudget(self.rfile, self.options.max_header_bytes)
             try:
@@ -200,6 +203,21 @@ class Handler(BaseHTTPRequestHandler):
             self.busy = False
             if self.server.draining:
                 self.close_connection = True
+
+    def _read_request_line(self) -> bytes:
+        """The request line; a few empty lines before it are skipped (RFC 9112 2.2: a client may send
+        CRLF after a body). b"" when the peer left or idled out before a request: nobody to answer."""
+        line = b""
+        for _ in range(1 + MAX_EMPTY_LINES):
+            try:
+                line = self.rfile.readline(self.options.max_header_bytes + 1)
+            except (TimeoutError, ConnectionError):
+                if self.waiting:  # an idle keep-alive connection, or the peer left
+                    return b""
+                raise
+            if line not in (b"\r\n", b"\n"):
+                break
+        return line
 
     def handle_expect_100(self):
         return True  # "100 Continue" is sent once auth and size passed, just before the body is read
@@ -319,7 +337,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 body, tokens = self.service.embeddings(payload, deadline=deadline, client_gone=self.client_gone)
                 inputs = len(body["data"])
-        except (_FramingError, TimeoutError):  # answered by handle_one_request, which closes
+        except (_FramingError, TimeoutError, ConnectionError):  # answered (or not) by handle_one_request
             raise
         except ApiError as err:
             status, body, headers = err.status, err.body(), getattr(err, "headers", None)
