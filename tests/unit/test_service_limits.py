@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import threading
 import time
@@ -472,6 +473,79 @@ def test_engine_alive(make):
     svc.engine.alive = lambda: False
     assert svc.engine_alive() is False
     assert error(svc.health).code == "engine_down"
+
+
+# --- wrong types, error params, engine failures --------------------------------------------------
+
+@pytest.mark.parametrize("route, payload, param, code", [
+    # `x or default` took these for the default: a client's bug answered with a 200
+    ("embeddings", {"encoding_format": False}, "encoding_format", "invalid_encoding_format"),
+    ("embeddings", {"encoding_format": 0}, "encoding_format", "invalid_encoding_format"),
+    ("embeddings", {"encoding_format": {}}, "encoding_format", "invalid_encoding_format"),
+    ("embeddings", {"encoding_format": []}, "encoding_format", "invalid_encoding_format"),
+    ("embed", {"truncation_direction": False}, "truncation_direction", "invalid_truncation_direction"),
+    ("embed", {"truncation_direction": 0}, "truncation_direction", "invalid_truncation_direction"),
+    ("embed", {"truncation_direction": {}}, "truncation_direction", "invalid_truncation_direction"),
+    # accepted and ignored, but strings as in OpenAI's API
+    ("embeddings", {"model": 10 ** 30}, "model", "invalid_model"),
+    ("embeddings", {"model": ["x"]}, "model", "invalid_model"),
+    ("embeddings", {"user": {"id": 1}}, "user", "invalid_user"),
+])
+def test_wrong_types_of_optional_fields_are_400s(make, route, payload, param, code):
+    svc = make()
+    key = "input" if route == "embeddings" else "inputs"
+    err = error(getattr(svc, route), {key: "ab", **payload})
+    assert (err.status, err.param, err.code) == (400, param, code)
+    assert svc.engine.batches == []
+
+
+def test_optional_string_fields_accept_strings_and_null(make):
+    svc = make()
+    body, _ = svc.embeddings({"input": "ab", "model": "any", "user": None, "encoding_format": None})
+    assert len(body["data"]) == 1
+    assert len(svc.embed({"inputs": "ab", "truncation_direction": None})[0]) == 1
+
+
+@pytest.mark.parametrize("payload, code", [
+    ({"inputs": [[0, 100]]}, "invalid_token_id"),
+    ({"inputs": "a" * 200}, "input_too_long"),
+    ({"inputs": [[1] * 17]}, "context_length_exceeded"),
+    ({"inputs": "a" * 16, "prompt_name": "query"}, "context_length_exceeded"),
+])
+def test_embed_errors_name_the_inputs_field(make, payload, code):
+    """/embed's field is 'inputs': its errors' param says so (it said 'input', OpenAI's name)."""
+    err = error(make().embed, payload)
+    assert (err.status, err.param, err.code) == (400, "inputs", code)
+
+
+def test_a_failed_engine_call_is_a_500_logged_once(make, caplog):
+    svc = make()
+    boom = RuntimeError("kernel failed")
+
+    def failing(seqs):
+        raise boom
+
+    svc.batcher._embed = failing
+    with caplog.at_level(logging.ERROR, logger="builder.runtime.service"):
+        errs = [error(svc.embeddings, {"input": "ab"}) for _ in range(2)]
+    assert [(e.status, e.code) for e in errs] == [(500, "engine_error")] * 2
+    assert "kernel failed" not in errs[0].message  # the cause goes to the log, not to clients
+    lines = [r for r in caplog.records if r.name == "builder.runtime.service"]
+    assert len(lines) == 1 and "kernel failed" in lines[0].getMessage() and lines[0].exc_info is None
+
+
+def test_a_dead_engine_worker_is_a_503_not_a_500(make):
+    """kill -9 of the worker: requests in flight get engine_down (retry elsewhere), not a 500 and a
+    traceback each; the watchdog stops the server."""
+    svc = make()
+    svc.engine.alive = lambda: False
+
+    def gone(seqs):
+        raise RuntimeError("the engine process is gone (exit code -9)")
+
+    svc.batcher._embed = gone
+    err = error(svc.embeddings, {"input": "ab"})
+    assert (err.status, err.code, err.body()["error"]["type"]) == (503, "engine_down", "server_error")
 
 
 # --- metrics -------------------------------------------------------------------------------------
