@@ -548,6 +548,55 @@ def test_a_dead_engine_worker_is_a_503_not_a_500(make):
     assert (err.status, err.code, err.body()["error"]["type"]) == (503, "engine_down", "server_error")
 
 
+def _request_schema(path: str) -> dict:
+    doc = json.loads((Path(service_module.__file__).with_name("openapi.json")).read_text())
+    return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+# (payload, accepted): what the service does and what /openapi.json says must agree
+OPENAI_SAMPLES = [
+    ({"input": "ab"}, True), ({"input": ["ab", "c"]}, True), ({"input": [1, 2]}, True), ({"input": [[1], [2]]}, True),
+    ({"input": ""}, False), ({"input": []}, False), ({"input": [[]]}, False), ({"input": [""]}, False),
+    ({"input": [True]}, False), ({"input": [1.5]}, False), ({"input": "ab", "truncate_prompt_tokens": -1}, True),
+    ({"input": "ab", "truncate_prompt_tokens": 3}, True), ({"input": "ab", "truncate_prompt_tokens": 0}, False),
+    ({"input": "ab", "truncate_prompt_tokens": -2}, False), ({"input": "ab", "truncate_prompt_tokens": True}, False),
+    ({"input": "ab", "truncate_prompt_tokens": None}, True), ({"input": "ab", "encoding_format": "base64"}, True),
+    ({"input": "ab", "encoding_format": None}, True), ({"input": "ab", "encoding_format": "int8"}, False),
+    ({"input": "ab", "encoding_format": False}, False), ({"input": "ab", "input_type": "query"}, True),
+    ({"input": "ab", "input_type": "passage"}, False), ({"input": "ab", "model": "m", "user": "u"}, True),
+    ({"input": "ab", "model": 5}, False), ({"input": "ab", "dimensions": 4}, True),
+    ({"input": "ab", "dimensions": 4.5}, False), ({"input": "ab", "dimensions": True}, False),
+]
+TEI_SAMPLES = [
+    ({"inputs": "ab"}, True), ({"inputs": ["ab"]}, True), ({"inputs": [1, 2]}, True), ({"inputs": [[1, 2]]}, True),
+    ({"inputs": ""}, False), ({"inputs": "ab", "truncate": True, "truncation_direction": "Left"}, True),
+    ({"inputs": "ab", "truncation_direction": "left"}, True), ({"inputs": "ab", "truncation_direction": "up"}, False),
+    ({"inputs": "ab", "truncation_direction": 0}, False), ({"inputs": "ab", "truncate": None}, True),
+    ({"inputs": "ab", "truncate": 1}, False), ({"inputs": "ab", "prompt_name": "query"}, True),
+    ({"inputs": "ab", "prompt_name": "passage"}, False), ({"inputs": "ab", "prompt_name": None}, True),
+    ({"inputs": "ab", "normalize": True}, True), ({"inputs": "ab", "normalize": "yes"}, False),
+]
+
+
+@pytest.mark.parametrize("route, path, payload, accepted",
+                         [("embeddings", "/v1/embeddings", *s) for s in OPENAI_SAMPLES]
+                         + [("embeddings", "/embeddings", *s) for s in OPENAI_SAMPLES[:3]]
+                         + [("embed", "/embed", *s) for s in TEI_SAMPLES])
+def test_openapi_request_schemas_match_what_the_service_accepts(make, route, path, payload, accepted):
+    """The document said truncate_prompt_tokens >= 1 (-1 is accepted), /embed took strings only (token
+    ids are accepted), prompt_name any string (only "query" is)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    svc = make(engine_kw={"matryoshka_min_dim": 2})
+    try:
+        getattr(svc, route)(payload)
+        served = True
+    except ApiError as err:
+        assert err.status == 400
+        served = False
+    documented = jsonschema.Draft202012Validator(_request_schema(path)).is_valid(payload)
+    assert (served, documented) == (accepted, accepted)
+
+
 # --- metrics -------------------------------------------------------------------------------------
 
 def _families(svc) -> dict:
