@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from .errors import UsageError
 from .service import ApiError
 
 try:  # optional (installed in the images): float vectors dominate responses; orjson writes them ~10x faster
@@ -47,6 +48,15 @@ class HttpOptions:
     # drain must end before the SIGKILL, so the default fits under Docker's.
     drain_timeout_s: float = 8.0
     json_logs: bool = False
+
+    def __post_init__(self) -> None:
+        # Visible ASCII only: clients send header values as latin-1 (Python's http.client, requests) or
+        # UTF-8 (curl), so a key outside ASCII matched one kind of client and not the other; a key
+        # from a non-UTF-8 environment variable failed the start with a traceback.
+        key = self.api_key
+        if key is not None and not (key.isascii() and key.isprintable() and " " not in key):
+            raise UsageError("the API key must be printable ASCII with no spaces (--api-key, --api-key-file "
+                             "or their variables)")
 
 
 def dumps(body) -> bytes:

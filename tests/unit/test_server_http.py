@@ -479,6 +479,16 @@ def test_a_reset_while_the_body_is_read_is_not_an_error(start, caplog):
     assert service.calls == []
 
 
+@pytest.mark.parametrize("key", ["k\u00e9y", "k\udce9y", "two words", "tab\tkey", "nl\n"])
+def test_an_api_key_outside_printable_ascii_is_a_usage_error(key):
+    """'k\u00e9y' matched curl (UTF-8) but not Python clients (latin-1); '\udce9' (a non-UTF-8
+    MOPT_API_KEY) failed the start with a traceback."""
+    from builder.runtime.errors import UsageError
+
+    with pytest.raises(UsageError, match="printable ASCII"):
+        HttpOptions(api_key=key)
+
+
 def test_content_length_with_surrounding_space_is_fine(start):
     port, _, _ = start()
     status, _, _, _ = raw(port, POST_HEAD + b"Content-Length:   14  \r\nConnection: close\r\n\r\n" + BODY)
