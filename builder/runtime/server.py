@@ -80,6 +80,9 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/metrics": ("GET", "HEAD"), "/openapi.json": ("GET", "HEAD"),
 }
 EMBEDDING_ROUTES = ("/v1/embeddings", "/embeddings", "/embed")
+# Bodies larger than this are parsed PARSE_CONCURRENCY at a time (Handler._read_json says why).
+SMALL_BODY_BYTES = 64 * 1024
+PARSE_CONCURRENCY = 2
 MAX_EMPTY_LINES = 4  # empty lines ignored before a request line (RFC 9112 2.2)
 OPEN_ROUTES = ("/health",)  # never need the key (container and load balancer health checks)
 
@@ -375,14 +378,27 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         if len(raw) < length:
             raise _FramingError(400, f"body has {len(raw)} bytes, Content-Length said {length}", "invalid_body")
+        if len(raw) <= SMALL_BODY_BYTES:
+            return self._parse(raw)
+        # Parsed, a body takes up to ~20x its size ('[1],' x 1M: 4 MiB of JSON, ~50 MB of lists): many
+        # large bodies parsed at once could take the container's memory. The parse holds the GIL, so
+        # parsing them in turn costs no throughput; fields the route does not read are dropped at once.
+        with self.server.parse_gate:
+            return self._parse(raw)
+
+    def _parse(self, raw: bytes):
         try:
-            return json.loads(raw)
+            payload = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
         except RecursionError:
             raise ApiError(400, "body is nested too deeply", code="invalid_json") from None
         except ValueError as exc:  # e.g. an integer of more digits than int() converts
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        fields = (getattr(self.service, "REQUEST_FIELDS", None) or {}).get(self.route)
+        if fields is not None and isinstance(payload, dict) and not payload.keys() <= fields:
+            payload = {k: v for k, v in payload.items() if k in fields}  # ignored anyway; not kept till the end
+        return payload
 
     def client_gone(self) -> bool:
         """True when the peer has closed its socket (for the service: drop queued work of a client that
@@ -507,6 +523,7 @@ class EmbeddingHTTPServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._active = 0  # accepted connections not yet closed (the cap counts these)
         self._fd_warned = 0.0
+        self.parse_gate = threading.BoundedSemaphore(PARSE_CONCURRENCY)
         self.busy_503 = dumps(error_body(503, "too many connections; retry later", "server_busy"))
         super().__init__(address, handler)
 

@@ -132,6 +132,13 @@ def _shape(vec: list[float], dims: int | None, normalize: bool) -> list[float]:
 class EmbeddingService:
     """Request logic, independent of HTTP so tests can call it directly."""
 
+    # The fields each route reads (openapi.json documents the same); the transport drops the others
+    # right after parsing, so a large unknown field is not held for the request's life.
+    OPENAI_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "input_type",
+                               "truncate_prompt_tokens", "user"})
+    TEI_FIELDS = frozenset({"inputs", "truncate", "truncation_direction", "normalize", "dimensions", "prompt_name"})
+    REQUEST_FIELDS = {"/v1/embeddings": OPENAI_FIELDS, "/embeddings": OPENAI_FIELDS, "/embed": TEI_FIELDS}
+
     def __init__(self, engine, limits: ServerLimits, metrics: Metrics | None = None):
         self.engine = engine
         self.limits = limits

@@ -489,6 +489,44 @@ def test_an_api_key_outside_printable_ascii_is_a_usage_error(key):
         HttpOptions(api_key=key)
 
 
+def test_large_bodies_are_parsed_a_few_at_a_time(start, monkeypatch):
+    """A 4 MiB body can take ~20x its size once parsed: 8 at once are parsed PARSE_CONCURRENCY at a
+    time (they were parsed all at once: 256 connections could hold 256 parsed bodies)."""
+    port, service, _ = start()
+    service.limits.max_body_bytes = 1 << 20
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def loads(raw):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.1)
+        with lock:
+            now[0] -= 1
+        return json.loads(raw)
+
+    monkeypatch.setattr(srv, "json", type("J", (), {"loads": staticmethod(loads), "dumps": staticmethod(json.dumps),
+                                                    "JSONDecodeError": json.JSONDecodeError}))
+    big = {"input": "x", "pad": "y" * (srv.SMALL_BODY_BYTES + 1)}
+    threads = [threading.Thread(target=request, args=(port, "POST", "/v1/embeddings", big)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert len(service.calls) == 8 and most[0] == srv.PARSE_CONCURRENCY
+
+
+def test_fields_a_route_does_not_read_are_dropped_after_parsing(start):
+    class Service(FakeService):
+        REQUEST_FIELDS = {"/v1/embeddings": frozenset({"input", "sleep"})}
+
+    port, service, _ = start(Service())
+    status, _, _ = request(port, "POST", "/v1/embeddings", {"input": "x", "junk": [[1]] * 500, "sleep": 0})
+    assert status == 200 and service.calls[-1]["payload"] == {"input": "x", "sleep": 0}
+    request(port, "POST", "/embed", {"inputs": "x", "junk": 1})  # a route without a list: all kept
+    assert service.calls[-1]["payload"] == {"inputs": "x", "junk": 1}
+
+
 def test_content_length_with_surrounding_space_is_fine(start):
     port, _, _ = start()
     status, _, _, _ = raw(port, POST_HEAD + b"Content-Length:   14  \r\nConnection: close\r\n\r\n" + BODY)

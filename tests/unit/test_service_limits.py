@@ -578,6 +578,12 @@ TEI_SAMPLES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/embeddings", "/embed"])
+def test_the_fields_the_transport_keeps_are_the_documented_ones(path):
+    """The transport drops every other field after parsing (server.Handler._parse)."""
+    assert EmbeddingService.REQUEST_FIELDS[path] == set(_request_schema(path)["properties"])
+
+
 @pytest.mark.parametrize("route, path, payload, accepted",
                          [("embeddings", "/v1/embeddings", *s) for s in OPENAI_SAMPLES]
                          + [("embeddings", "/embeddings", *s) for s in OPENAI_SAMPLES[:3]]
