@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from .errors import UsageError
-from .service import ApiError
+from .service import ApiError, parse_inputs
 
 try:  # optional (installed in the images): float vectors dominate responses; orjson writes them ~10x faster
     import orjson
@@ -82,7 +82,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
 EMBEDDING_ROUTES = ("/v1/embeddings", "/embeddings", "/embed")
 # Bodies larger than this are parsed PARSE_CONCURRENCY at a time (Handler._read_json says why).
 SMALL_BODY_BYTES = 64 * 1024
-PARSE_CONCURRENCY = 2
+PARSE_CONCURRENCY = 1
 MAX_EMPTY_LINES = 4  # empty lines ignored before a request line (RFC 9112 2.2)
 OPEN_ROUTES = ("/health",)  # never need the key (container and load balancer health checks)
 
@@ -384,7 +384,18 @@ class Handler(BaseHTTPRequestHandler):
         # large bodies parsed at once could take the container's memory. The parse holds the GIL, so
         # parsing them in turn costs no throughput; fields the route does not read are dropped at once.
         with self.server.parse_gate:
-            return self._parse(raw)
+            payload = self._parse(raw)
+            del raw
+            # The shape check inside the gate too: a body with a million inputs is let go before the
+            # next large body is parsed (the gate alone left ~4 parsed bodies alive at once).
+            max_inputs = getattr(self.service.limits, "max_inputs", None)
+            if max_inputs is not None and self.route in EMBEDDING_ROUTES:
+                try:
+                    parse_inputs(payload, max_inputs, "inputs" if self.route == "/embed" else "input")
+                except ApiError as err:
+                    payload = None
+                    raise err.with_traceback(None) from None  # its frames would keep the payload alive
+            return payload
 
     def _parse(self, raw: bytes):
         try:
