@@ -548,6 +548,34 @@ def test_a_dead_engine_worker_is_a_503_not_a_500(make):
     assert (err.status, err.code, err.body()["error"]["type"]) == (503, "engine_down", "server_error")
 
 
+def test_a_broken_pipe_to_the_worker_waits_for_it_to_be_reaped():
+    """kill -9 of the worker: the pipe broke before is_alive() turned False, so the service saw a live
+    engine and answered 500 engine_error with 'exit code None'; now 503 engine_down with the code."""
+    from builder.runtime.worker import EngineProcess
+
+    class Conn:
+        def send(self, seqs):
+            pass
+
+        def recv(self):
+            raise EOFError
+
+    class Proc:
+        exitcode = None
+
+        def join(self, timeout=None):
+            self.exitcode = -9  # reaped
+
+        def is_alive(self):
+            return self.exitcode is None
+
+    engine = object.__new__(EngineProcess)
+    engine._conn, engine._proc = Conn(), Proc()
+    with pytest.raises(RuntimeError, match=r"exit code -9"):
+        engine.embed_ids([[1]])
+    assert engine.alive() is False
+
+
 def _request_schema(path: str) -> dict:
     doc = json.loads((Path(service_module.__file__).with_name("openapi.json")).read_text())
     return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
