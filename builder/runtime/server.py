@@ -131,6 +131,11 @@ class _HeaderBudget:
         self.budget -= len(line)
         if self.budget < 0:
             raise _FramingError(431, "request headers are too large", "headers_too_large")
+        end = -2 if line.endswith(b"\r\n") else -1 if line.endswith(b"\n") else len(line)
+        if b"\r" in line[:end] or b"\0" in line:
+            # The stdlib's parser splits header lines at a bare CR ("X: a\rContent-Length: 13" is two
+            # headers to it, one to a proxy that keeps the CR): RFC 9112 2.2 says refuse.
+            raise _FramingError(400, "a bare CR or a NUL in the request headers", "invalid_headers")
         if line[:1] in (b" ", b"\t"):
             # obs-fold (RFC 9112 5.2): the stdlib's parser joins the line to the header above, a proxy
             # may read it as a header of its own ("X: a\r\n Transfer-Encoding: chunked"): refused.
@@ -171,6 +176,7 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
         self.headers, self.content_length, self.route = None, None, None
+        self.keep_alive_10 = False
         self.started = time.monotonic()
         # Until a request's first byte the idle bound applies; _DeadlineReader starts the request's own.
         self.waiting, self.deadline = True, self.started + self.options.idle_timeout_s
@@ -238,6 +244,12 @@ class Handler(BaseHTTPRequestHandler):
     def _check_framing(self) -> None:
         """Refuse what could be read two ways (request smuggling behind a proxy)."""
         headers = self.headers
+        # Connection is a list of options: "keep-alive, close" closes (the stdlib only knew "close").
+        options = {t.strip().lower() for v in headers.get_all("Connection") or [] for t in v.split(",")}
+        if "close" in options:
+            self.close_connection = True
+        # An HTTP/1.0 client keeps the connection only when the response says so.
+        self.keep_alive_10 = self.request_version == "HTTP/1.0" and not self.close_connection
         if headers.defects:  # e.g. a line without a colon, which the parser would take as the body
             raise _FramingError(400, "malformed request headers", "invalid_headers")
         lengths = headers.get_all("Content-Length") or []
@@ -455,6 +467,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         if self.close_connection:
             self.send_header("Connection", "close")
+        elif self.keep_alive_10:
+            self.send_header("Connection", "keep-alive")
         self.end_headers()
         if raw and self.command != "HEAD":
             self.wfile.write(raw)

@@ -538,6 +538,52 @@ def test_fields_a_route_does_not_read_are_dropped_after_parsing(start):
     assert service.calls[-1]["payload"] == {"inputs": "x", "junk": 1}
 
 
+@pytest.mark.parametrize("headers", [
+    b"X-A: a\rContent-Length: 14\r\n",  # the stdlib read a Content-Length a proxy keeping the CR would not
+    b"Content-Length: 1\r4\r\n",
+    b"Content-Length: 14\r\nX-A: a\x00b\r\n",
+])
+def test_a_bare_cr_or_nul_in_the_headers_is_refused(start, headers):
+    port, service, _ = start()
+    got, _, body, closed = raw(port, POST_HEAD + headers + b"\r\n" + BODY)
+    assert (got, error_code(body), closed) == (400, "invalid_headers", True)
+    assert service.calls == []
+
+
+def _answers(port, data: bytes) -> tuple[bytes, bool]:
+    """Everything the server sends within 1 s, and whether it closed the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall(data)
+        sock.settimeout(1)
+        out = b""
+        try:
+            for _ in range(100):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return out, True
+                out += chunk
+        except TimeoutError:
+            pass
+        return out, False
+
+
+def test_http10_keep_alive_is_said_in_the_response(start):
+    """An HTTP/1.0 client keeps a connection only when the response says 'Connection: keep-alive';
+    without it, it waited for the close (the idle timeout)."""
+    port, _, _ = start()
+    out, closed = _answers(port, b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert b"\r\nConnection: keep-alive\r\n" in out.partition(b"\r\n\r\n")[0] + b"\r\n" and not closed
+    out, closed = _answers(port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert b"Connection: close" in out and closed
+
+
+def test_connection_close_among_other_options_closes(start):
+    port, _, _ = start()
+    out, closed = _answers(port, b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: keep-alive, close\r\n\r\n"
+                                 b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert out.count(b"HTTP/1.1 200") == 1 and b"Connection: close" in out and closed
+
+
 def test_content_length_with_surrounding_space_is_fine(start):
     port, _, _ = start()
     status, _, _, _ = raw(port, POST_HEAD + b"Content-Length:   14  \r\nConnection: close\r\n\r\n" + BODY)
