@@ -323,17 +323,21 @@ class EmbeddingService:
             while end < len(texts) and (end == start or chars + len(texts[end]) <= TOKENIZE_GROUP_CHARS):
                 chars += len(texts[end])
                 end += 1
-            group = self._tokenize(texts[start:end], trunc, key)
+            group = self._tokenize(texts[start:end], trunc, key, query)
             total = self._check_tokens(group, start, total, trunc, key)
             seqs.extend(group)
             start = end
         return seqs
 
-    def _tokenize(self, texts: list[str], trunc: Truncation | None, key: str = "input") -> list[list[int]]:
+    def _tokenize(self, texts: list[str], trunc: Truncation | None, key: str = "input",
+                  query: bool = False) -> list[list[int]]:
         enc = self.engine.encoder
         try:
             if trunc is None:
                 return enc.encode(texts)
+            prefix = enc.query_prefix if query and trunc.direction == "left" else ""
+            if prefix:  # a left cut of a query keeps its instruction
+                return enc.encode(texts, max_tokens=trunc.max_tokens, direction="left", keep_prefix=prefix)
             return enc.encode(texts, max_tokens=trunc.max_tokens, direction=trunc.direction)
         except (UnicodeError, ValueError, TypeError) as exc:  # e.g. a lone surrogate in the text
             raise ApiError(400, f"'{key}' cannot be tokenized: {type(exc).__name__}", param=key,

@@ -716,6 +716,29 @@ def test_last_token_pooling_truncation_keeps_eos_within_the_limit(tmp_path, eos_
         assert enc.encode([TEXT], max_tokens=8, direction=direction) == [kept + [enc.eos_id]]
 
 
+def test_a_left_cut_of_a_query_keeps_its_instruction(tmp_path, make):
+    """truncate_prompt_tokens keeps the last k tokens: on a query it cut the instruction first (the
+    model got a query embedded as a document); now the cut is taken from the query text."""
+    from builder.runtime.tiny_qwen3 import EOS, build_tokenizer
+
+    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS}))
+    enc = TextEncoder(tmp_path, "last", instruction="Find the doc")
+    head = enc.encode([enc.format_query("")])[0][:-1]  # the instruction's tokens (no EOS)
+    text = "b c " * 50
+    kept = enc.encode([enc.format_query(text)], max_tokens=20, direction="left", keep_prefix=enc.query_prefix)[0]
+    assert len(kept) == 20 and kept[:len(head)] == head and kept[-1] == enc.eos_id
+    assert kept[len(head):-1] == enc.encode([text])[0][-(20 - len(head) - 1) - 1:-1]  # the text's end
+    # through the service: the engine gets the same ids
+    svc = make(engine_kw={"max_seq_len": 32})
+    svc.engine.encoder = enc
+    svc.embeddings({"input": text, "input_type": "query", "truncate_prompt_tokens": 20})
+    assert svc.engine.seen() == [kept]
+    # a document, or a query cut on the right, is unchanged
+    assert enc.encode([text], max_tokens=20, direction="left", keep_prefix="") == enc.encode(
+        [text], max_tokens=20, direction="left")
+
+
 # --- the CLI flags -------------------------------------------------------------------------------
 
 def test_serve_flags_and_their_variables(monkeypatch):
