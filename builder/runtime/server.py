@@ -19,7 +19,8 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .service import ApiError
+from .errors import UsageError
+from .service import ApiError, parse_inputs
 
 try:  # optional (installed in the images): float vectors dominate responses; orjson writes them ~10x faster
     import orjson
@@ -48,6 +49,15 @@ class HttpOptions:
     drain_timeout_s: float = 8.0
     json_logs: bool = False
 
+    def __post_init__(self) -> None:
+        # Visible ASCII only: clients send header values as latin-1 (Python's http.client, requests) or
+        # UTF-8 (curl), so a key outside ASCII matched one kind of client and not the other; a key
+        # from a non-UTF-8 environment variable failed the start with a traceback.
+        key = self.api_key
+        if key is not None and not (key.isascii() and key.isprintable() and " " not in key):
+            raise UsageError("the API key must be printable ASCII with no spaces (--api-key, --api-key-file "
+                             "or their variables)")
+
 
 def dumps(body) -> bytes:
     return orjson.dumps(body) if orjson is not None else json.dumps(body).encode()
@@ -70,6 +80,10 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/metrics": ("GET", "HEAD"), "/openapi.json": ("GET", "HEAD"),
 }
 EMBEDDING_ROUTES = ("/v1/embeddings", "/embeddings", "/embed")
+# Bodies larger than this are parsed PARSE_CONCURRENCY at a time (Handler._read_json says why).
+SMALL_BODY_BYTES = 64 * 1024
+PARSE_CONCURRENCY = 1
+MAX_EMPTY_LINES = 4  # empty lines ignored before a request line (RFC 9112 2.2)
 OPEN_ROUTES = ("/health",)  # never need the key (container and load balancer health checks)
 
 
@@ -117,6 +131,15 @@ class _HeaderBudget:
         self.budget -= len(line)
         if self.budget < 0:
             raise _FramingError(431, "request headers are too large", "headers_too_large")
+        end = -2 if line.endswith(b"\r\n") else -1 if line.endswith(b"\n") else len(line)
+        if b"\r" in line[:end] or b"\0" in line:
+            # The stdlib's parser splits header lines at a bare CR ("X: a\rContent-Length: 13" is two
+            # headers to it, one to a proxy that keeps the CR): RFC 9112 2.2 says refuse.
+            raise _FramingError(400, "a bare CR or a NUL in the request headers", "invalid_headers")
+        if line[:1] in (b" ", b"\t"):
+            # obs-fold (RFC 9112 5.2): the stdlib's parser joins the line to the header above, a proxy
+            # may read it as a header of its own ("X: a\r\n Transfer-Encoding: chunked"): refused.
+            raise _FramingError(400, "obsolete line folding in the request headers", "invalid_headers")
         return line
 
 
@@ -153,17 +176,12 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
         self.headers, self.content_length, self.route = None, None, None
+        self.keep_alive_10 = False
         self.started = time.monotonic()
         # Until a request's first byte the idle bound applies; _DeadlineReader starts the request's own.
         self.waiting, self.deadline = True, self.started + self.options.idle_timeout_s
         try:
-            try:
-                self.raw_requestline = self.rfile.readline(self.options.max_header_bytes + 1)
-            except (TimeoutError, ConnectionError):
-                if self.waiting:  # an idle keep-alive connection, or the peer left: nobody to answer
-                    self.close_connection = True
-                    return
-                raise
+            self.raw_requestline = self._read_request_line()
             if not self.raw_requestline:
                 self.close_connection = True
                 return
@@ -172,6 +190,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.waiting, self.deadline = False, time.monotonic() + self.request_timeout
             if len(self.raw_requestline) > self.options.max_header_bytes:
                 self.send_error(414, "request line is too long")
+                return
+            if len(self.raw_requestline.split()) < 3:
+                # HTTP/0.9 ("GET /path") or an empty line: the stdlib would wait for headers first.
+                self.send_error(400, "HTTP/0.9 and request lines without a version are not supported")
                 return
             real_rfile, self.rfile = self.rfile, _HeaderBudget(self.rfile, self.options.max_header_bytes)
             try:
@@ -201,12 +223,33 @@ class Handler(BaseHTTPRequestHandler):
             if self.server.draining:
                 self.close_connection = True
 
+    def _read_request_line(self) -> bytes:
+        """The request line; a few empty lines before it are skipped (RFC 9112 2.2: a client may send
+        CRLF after a body). b"" when the peer left or idled out before a request: nobody to answer."""
+        line = b""
+        for _ in range(1 + MAX_EMPTY_LINES):
+            try:
+                line = self.rfile.readline(self.options.max_header_bytes + 1)
+            except (TimeoutError, ConnectionError):
+                if self.waiting:  # an idle keep-alive connection, or the peer left
+                    return b""
+                raise
+            if line not in (b"\r\n", b"\n"):
+                break
+        return line
+
     def handle_expect_100(self):
         return True  # "100 Continue" is sent once auth and size passed, just before the body is read
 
     def _check_framing(self) -> None:
         """Refuse what could be read two ways (request smuggling behind a proxy)."""
         headers = self.headers
+        # Connection is a list of options: "keep-alive, close" closes (the stdlib only knew "close").
+        options = {t.strip().lower() for v in headers.get_all("Connection") or [] for t in v.split(",")}
+        if "close" in options:
+            self.close_connection = True
+        # An HTTP/1.0 client keeps the connection only when the response says so.
+        self.keep_alive_10 = self.request_version == "HTTP/1.0" and not self.close_connection
         if headers.defects:  # e.g. a line without a colon, which the parser would take as the body
             raise _FramingError(400, "malformed request headers", "invalid_headers")
         lengths = headers.get_all("Content-Length") or []
@@ -319,7 +362,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 body, tokens = self.service.embeddings(payload, deadline=deadline, client_gone=self.client_gone)
                 inputs = len(body["data"])
-        except (_FramingError, TimeoutError):  # answered by handle_one_request, which closes
+        except (_FramingError, TimeoutError, ConnectionError):  # answered (or not) by handle_one_request
             raise
         except ApiError as err:
             status, body, headers = err.status, err.body(), getattr(err, "headers", None)
@@ -347,14 +390,38 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         if len(raw) < length:
             raise _FramingError(400, f"body has {len(raw)} bytes, Content-Length said {length}", "invalid_body")
+        if len(raw) <= SMALL_BODY_BYTES:
+            return self._parse(raw)
+        # Parsed, a body takes up to ~20x its size ('[1],' x 1M: 4 MiB of JSON, ~50 MB of lists): many
+        # large bodies parsed at once could take the container's memory. The parse holds the GIL, so
+        # parsing them in turn costs no throughput; fields the route does not read are dropped at once.
+        with self.server.parse_gate:
+            payload = self._parse(raw)
+            del raw
+            # The shape check inside the gate too: a body with a million inputs is let go before the
+            # next large body is parsed (the gate alone left ~4 parsed bodies alive at once).
+            max_inputs = getattr(self.service.limits, "max_inputs", None)
+            if max_inputs is not None and self.route in EMBEDDING_ROUTES:
+                try:
+                    parse_inputs(payload, max_inputs, "inputs" if self.route == "/embed" else "input")
+                except ApiError as err:
+                    payload = None
+                    raise err.with_traceback(None) from None  # its frames would keep the payload alive
+            return payload
+
+    def _parse(self, raw: bytes):
         try:
-            return json.loads(raw)
+            payload = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
         except RecursionError:
             raise ApiError(400, "body is nested too deeply", code="invalid_json") from None
         except ValueError as exc:  # e.g. an integer of more digits than int() converts
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        fields = (getattr(self.service, "REQUEST_FIELDS", None) or {}).get(self.route)
+        if fields is not None and isinstance(payload, dict) and not payload.keys() <= fields:
+            payload = {k: v for k, v in payload.items() if k in fields}  # ignored anyway; not kept till the end
+        return payload
 
     def client_gone(self) -> bool:
         """True when the peer has closed its socket (for the service: drop queued work of a client that
@@ -400,6 +467,8 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         if self.close_connection:
             self.send_header("Connection", "close")
+        elif self.keep_alive_10:
+            self.send_header("Connection", "keep-alive")
         self.end_headers()
         if raw and self.command != "HEAD":
             self.wfile.write(raw)
@@ -479,6 +548,7 @@ class EmbeddingHTTPServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._active = 0  # accepted connections not yet closed (the cap counts these)
         self._fd_warned = 0.0
+        self.parse_gate = threading.BoundedSemaphore(PARSE_CONCURRENCY)
         self.busy_503 = dumps(error_body(503, "too many connections; retry later", "server_busy"))
         super().__init__(address, handler)
 

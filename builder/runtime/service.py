@@ -7,14 +7,18 @@ shape for every route of the image (TEI's own is {"error": ..., "error_type": ..
 from __future__ import annotations
 
 import base64
+import logging
 import math
 import struct
+import threading
 import time
 from dataclasses import asdict, dataclass
 
 from .batcher import Batcher, Dropped, QueueFull
 from .errors import UsageError
 from .metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 # max_input_chars when unset: characters per token allowed, times the token limit. Prose averages
 # 3-5 characters per WordPiece/BPE token; 8 leaves room for code, URLs and long words while keeping
@@ -104,6 +108,12 @@ def parse_inputs(payload, max_inputs: int, key: str = "input") -> tuple[list, bo
                    param=key, code="invalid_input")
 
 
+def _optional_string(payload: dict, name: str) -> None:
+    value = payload.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string", param=name, code=f"invalid_{name}")
+
+
 def _cut(seq, n: int, direction: str):
     return seq[:n] if direction == "right" else seq[len(seq) - n:]
 
@@ -122,6 +132,13 @@ def _shape(vec: list[float], dims: int | None, normalize: bool) -> list[float]:
 class EmbeddingService:
     """Request logic, independent of HTTP so tests can call it directly."""
 
+    # The fields each route reads (openapi.json documents the same); the transport drops the others
+    # right after parsing, so a large unknown field is not held for the request's life.
+    OPENAI_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "input_type",
+                               "truncate_prompt_tokens", "user"})
+    TEI_FIELDS = frozenset({"inputs", "truncate", "truncation_direction", "normalize", "dimensions", "prompt_name"})
+    REQUEST_FIELDS = {"/v1/embeddings": OPENAI_FIELDS, "/embeddings": OPENAI_FIELDS, "/embed": TEI_FIELDS}
+
     def __init__(self, engine, limits: ServerLimits, metrics: Metrics | None = None):
         self.engine = engine
         self.limits = limits
@@ -131,6 +148,8 @@ class EmbeddingService:
         self.model_name = engine.params.model_name or "mopt-embedding"
         self.batcher = Batcher(engine.embed_ids, limits.max_batch, limits.max_wait_ms, self.metrics,
                                max_queue_tokens=limits.max_queue_tokens)
+        self._failure_lock = threading.Lock()
+        self._last_failure: BaseException | None = None  # logged already (one line per failed batch)
 
     # --- status routes ----------------------------------------------------------------------------
 
@@ -180,7 +199,10 @@ class EmbeddingService:
     def embeddings(self, payload, deadline: float | None = None, client_gone=None) -> tuple[dict, int]:
         """OpenAI's POST /v1/embeddings, with vLLM's truncate_prompt_tokens and an input_type extension."""
         inputs, are_ids = parse_inputs(payload, self.limits.max_inputs)
-        fmt = payload.get("encoding_format") or "float"
+        _optional_string(payload, "model")  # accepted and ignored (one model), but a string as OpenAI's
+        _optional_string(payload, "user")
+        fmt = payload.get("encoding_format")
+        fmt = "float" if fmt in (None, "") else fmt  # not `or`: false, 0 and {} are errors, not the default
         if fmt not in ("float", "base64"):
             raise ApiError(400, "encoding_format must be 'float' or 'base64'", param="encoding_format",
                            code="invalid_encoding_format")
@@ -189,7 +211,7 @@ class EmbeddingService:
         if input_type not in ("query", "document"):
             raise ApiError(400, "input_type must be 'query' or 'document'", param="input_type",
                            code="invalid_input_type")
-        seqs = self._sequences(inputs, are_ids, input_type == "query", self._vllm_truncation(payload))
+        seqs = self._sequences(inputs, are_ids, input_type == "query", self._vllm_truncation(payload), "input")
         vectors = self._run(seqs, deadline, client_gone)
         renormalize = dims is not None and self.engine.params.normalize
         tokens = sum(len(s) for s in seqs)
@@ -215,7 +237,7 @@ class EmbeddingService:
             raise ApiError(400, "prompt_name must be 'query' (the model's query instruction) or null",
                            param="prompt_name", code="invalid_prompt_name")
         dims = self._dimensions(payload)
-        seqs = self._sequences(inputs, are_ids, prompt_name == "query", self._tei_truncation(payload))
+        seqs = self._sequences(inputs, are_ids, prompt_name == "query", self._tei_truncation(payload), "inputs")
         vectors = self._run(seqs, deadline, client_gone)
         # Unit length again after a Matryoshka cut, or at all when the engine leaves vectors as they are.
         renormalize = normalize and (dims is not None or not self.engine.params.normalize)
@@ -261,7 +283,8 @@ class EmbeddingService:
         truncate = payload.get("truncate")
         if truncate is not None and type(truncate) is not bool:
             raise ApiError(400, "truncate must be true or false", param="truncate", code="invalid_truncate")
-        direction = payload.get("truncation_direction") or "Right"
+        direction = payload.get("truncation_direction")
+        direction = "Right" if direction in (None, "") else direction  # not `or`: false, 0 and {} are errors
         if direction not in ("Right", "Left", "right", "left"):
             raise ApiError(400, "truncation_direction must be 'Right' or 'Left'", param="truncation_direction",
                            code="invalid_truncation_direction")
@@ -271,23 +294,24 @@ class EmbeddingService:
 
     # --- inputs to token ids ----------------------------------------------------------------------
 
-    def _sequences(self, inputs: list, are_ids: bool, query: bool, trunc: Truncation | None) -> list[list[int]]:
+    def _sequences(self, inputs: list, are_ids: bool, query: bool, trunc: Truncation | None,
+                   key: str = "input") -> list[list[int]]:
         """Token ids per input within the limits: characters first (before any tokenizing), then tokens
-        per input and per request."""
+        per input and per request. key: the request's field, named as the errors' param."""
         enc = self.engine.encoder
         if are_ids:
             vocab = enc.vocab_size
             if any(t < 0 or t >= vocab for seq in inputs for t in seq):
-                raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param="input", code="invalid_token_id")
+                raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param=key, code="invalid_token_id")
             seqs = [_cut(s, trunc.max_tokens, trunc.direction) for s in inputs] if trunc else inputs
-            self._check_tokens(seqs, 0, 0, trunc)
+            self._check_tokens(seqs, 0, 0, trunc, key)
             return seqs
         texts = []
         for i, text in enumerate(inputs):
             if len(text) > self.max_chars:
                 if trunc is None:
                     raise ApiError(400, f"input {i} has {len(text)} characters, more than the maximum "
-                                        f"{self.max_chars}; ask for truncation or shorten it", param="input",
+                                        f"{self.max_chars}; ask for truncation or shorten it", param=key,
                                    code="input_too_long")
                 # Cut at the character limit before the tokenizer sees it; the token cut follows.
                 text = _cut(text, self.max_chars, trunc.direction)
@@ -299,23 +323,27 @@ class EmbeddingService:
             while end < len(texts) and (end == start or chars + len(texts[end]) <= TOKENIZE_GROUP_CHARS):
                 chars += len(texts[end])
                 end += 1
-            group = self._tokenize(texts[start:end], trunc)
-            total = self._check_tokens(group, start, total, trunc)
+            group = self._tokenize(texts[start:end], trunc, key, query)
+            total = self._check_tokens(group, start, total, trunc, key)
             seqs.extend(group)
             start = end
         return seqs
 
-    def _tokenize(self, texts: list[str], trunc: Truncation | None) -> list[list[int]]:
+    def _tokenize(self, texts: list[str], trunc: Truncation | None, key: str = "input",
+                  query: bool = False) -> list[list[int]]:
         enc = self.engine.encoder
         try:
             if trunc is None:
                 return enc.encode(texts)
+            prefix = enc.query_prefix if query and trunc.direction == "left" else ""
+            if prefix:  # a left cut of a query keeps its instruction
+                return enc.encode(texts, max_tokens=trunc.max_tokens, direction="left", keep_prefix=prefix)
             return enc.encode(texts, max_tokens=trunc.max_tokens, direction=trunc.direction)
         except (UnicodeError, ValueError, TypeError) as exc:  # e.g. a lone surrogate in the text
-            raise ApiError(400, f"'input' cannot be tokenized: {type(exc).__name__}", param="input",
+            raise ApiError(400, f"'{key}' cannot be tokenized: {type(exc).__name__}", param=key,
                            code="invalid_input") from None
 
-    def _check_tokens(self, seqs, first: int, total: int, trunc: Truncation | None) -> int:
+    def _check_tokens(self, seqs, first: int, total: int, trunc: Truncation | None, key: str = "input") -> int:
         """Per-input and per-request token limits for seqs (inputs first.. of the request); returns the
         request's running token total."""
         limit = trunc.max_tokens if trunc else self.max_tokens
@@ -323,14 +351,14 @@ class EmbeddingService:
             if len(s) > limit:
                 if trunc:  # only when the model's special tokens alone exceed a tiny truncate_prompt_tokens
                     raise ApiError(400, f"input {i} has {len(s)} tokens after truncation to {limit} (the "
-                                        "model's special tokens do not fit)", param="input",
+                                        "model's special tokens do not fit)", param=key,
                                    code="context_length_exceeded")
                 raise ApiError(400, f"input {i} has {len(s)} tokens, more than the maximum {limit}",
-                               param="input", code="context_length_exceeded")
+                               param=key, code="context_length_exceeded")
             total += len(s)
         if total > self.limits.max_request_tokens:
             raise ApiError(400, f"the request has more than {self.limits.max_request_tokens} tokens in all; "
-                                "send fewer or shorter inputs", param="input", code="request_too_large")
+                                "send fewer or shorter inputs", param=key, code="request_too_large")
         return total
 
     # --- the engine -------------------------------------------------------------------------------
@@ -352,6 +380,8 @@ class EmbeddingService:
                 pass
             except Dropped as dropped:  # the batcher found the deadline passed or the client gone
                 raise self._dropped(dropped.reason) from None
+            except Exception as exc:  # noqa: BLE001  (the engine failed this batch)
+                raise self._engine_failed(exc) from None
             if time.monotonic() >= deadline:
                 reason = "timeout"
             elif client_gone is not None and client_gone():
@@ -360,6 +390,18 @@ class EmbeddingService:
                 continue
             fut.cancel()  # the batcher drops it before its next batch; chunks in flight finish unused
             raise self._dropped(reason)
+
+    def _engine_failed(self, exc: Exception) -> ApiError:
+        """The engine call behind this request failed: every request of the batch gets this, so it is
+        logged once per failure, not with a traceback per request. A dead worker is a 503 (the watchdog
+        stops the server; another replica can answer), anything else a 500."""
+        if not self.engine_alive():
+            return ApiError(503, "the engine process has exited", code="engine_down")
+        with self._failure_lock:
+            if exc is not self._last_failure:
+                self._last_failure = exc
+                log.error("an engine call failed: %s: %s", type(exc).__name__, exc)
+        return ApiError(500, f"the engine failed this batch: {type(exc).__name__}", code="engine_error")
 
     def _dropped(self, reason: str) -> ApiError:
         self.metrics.request_dropped(reason)

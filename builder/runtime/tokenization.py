@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 # Files copied into the engine dir so serving never needs the model dir.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -68,13 +68,22 @@ class TextEncoder:
                     return tid
         return None
 
-    def format_query(self, text: str) -> str:
+    @property
+    def query_prefix(self) -> str:
         # Qwen3-Embedding's query format; documents are embedded without an instruction.
-        return f"Instruct: {self.instruction}\nQuery:{text}" if self.instruction else text
+        return f"Instruct: {self.instruction}\nQuery:" if self.instruction else ""
 
-    def encode(self, texts: list[str], max_tokens: int | None = None, direction: str = "right") -> list[list[int]]:
+    def format_query(self, text: str) -> str:
+        return self.query_prefix + text
+
+    def encode(self, texts: list[str], max_tokens: int | None = None, direction: str = "right",
+               keep_prefix: str = "") -> list[list[int]]:
         """Token ids per text. max_tokens: truncate each to at most that many tokens, special tokens
-        and the appended EOS included; direction 'right' keeps the start, 'left' keeps the end."""
+        and the appended EOS included; direction 'right' keeps the start, 'left' keeps the end.
+        keep_prefix: every text starts with it (the query instruction) and a left cut keeps it: the
+        cut is taken from what follows it (it took the instruction first)."""
+        if keep_prefix and max_tokens is not None and direction == "left":
+            return self._encode_keeping(texts, max_tokens, keep_prefix)
         if max_tokens is None:
             encodings = self.tok.encode_batch(list(texts))
         else:
@@ -90,6 +99,18 @@ class TextEncoder:
             ids = list(enc.ids)
             if self.append_eos and (not ids or ids[-1] != self.eos_id):
                 ids.append(self.eos_id)  # after truncation: it counts in max_tokens (room above)
+            out.append(ids)
+        return out
+
+    def _encode_keeping(self, texts: list[str], max_tokens: int, prefix: str) -> list[list[int]]:
+        head = self.tok.encode(prefix, add_special_tokens=False)
+        room = max(0, max_tokens - self.num_special - (1 if self._adds_eos else 0) - len(head.ids))
+        out = []
+        for body in self.tok.encode_batch([t[len(prefix):] for t in texts], add_special_tokens=False):
+            body.truncate(room, direction="left")
+            ids = list(self.tok.post_process(Encoding.merge([head, body], True)).ids)
+            if self.append_eos and (not ids or ids[-1] != self.eos_id):
+                ids.append(self.eos_id)
             out.append(ids)
         return out
 

@@ -56,6 +56,9 @@ def _worker_main(out_dir: str, conn) -> None:
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))
 
 
+WORKER_REAP_S = 2.0  # how long a request waits for a worker whose pipe broke to be reaped
+
+
 class EngineProcess:
     """What the server needs of an Engine (params, encoder, info, dim, embed_ids), with the engine
     in a worker process. start() returns once the worker's guard passed and the engine loaded."""
@@ -108,6 +111,9 @@ class EngineProcess:
             self._conn.send(seqs)
             status, payload = self._conn.recv()
         except (EOFError, OSError):
+            # The pipe breaks before the process is reaped: wait for it (bounded), so alive() is False
+            # when the service decides between 503 engine_down and 500 (and the exit code is known).
+            self._proc.join(WORKER_REAP_S)
             raise RuntimeError(f"the engine process is gone (exit code {self._proc.exitcode})") from None
         if status != "ok":
             raise RuntimeError(f"the engine process failed this batch: {payload}")

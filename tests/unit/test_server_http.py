@@ -405,7 +405,10 @@ def test_cors_any_origin(start):
     (b"Content-Length: +14\r\n", 400, "invalid_content_length"),
     (b"Content-Length: 1_4\r\n", 400, "invalid_content_length"),
     (b"Content-Length: 1 4\r\n", 400, "invalid_content_length"),
-    (b"Content-Length:\r\n 14\r\n", 400, "invalid_content_length"),  # obs-fold
+    (b"Content-Length:\r\n 14\r\n", 400, "invalid_headers"),  # obs-fold
+    # obs-fold hiding a Transfer-Encoding inside X-A's value: a proxy may read it as a header of its own
+    (b"Content-Length: 14\r\nX-A: a\r\n Transfer-Encoding: chunked\r\n", 400, "invalid_headers"),
+    (b"Content-Length: 14\r\nX-A: a\r\n\tTransfer-Encoding: chunked\r\n", 400, "invalid_headers"),
     (b"Content-Length: 0x0e\r\n", 400, "invalid_content_length"),
     (b"Content-Length: \xd9\xa1\xd9\xa4\r\n", 400, "invalid_content_length"),  # Arabic-Indic digits
     (b"Content-Length: -14\r\n", 400, "invalid_content_length"),
@@ -425,6 +428,160 @@ def test_framing_refused_and_closed(start, headers, status, code):
     got, _, body, closed = raw(port, POST_HEAD + headers + b"\r\n" + BODY + smuggled)
     assert (got, error_code(body), closed) == (status, code, True)
     assert service.calls == []
+
+
+def test_empty_lines_before_a_request_line_are_ignored(start):
+    """RFC 9112 2.2: a client may send CRLF after a body; the next request is still answered (it was
+    dropped: the connection closed with no answer)."""
+    port, service, _ = start()
+    data = POST_HEAD + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY + b"\r\n\r\n"
+    data += b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall(data)
+        out = b""
+        for _ in range(100):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    assert out.count(b"HTTP/1.1 200") == 2 and out.endswith(b'{"status":"ok"}')
+    assert len(service.calls) == 1
+
+
+def test_only_empty_lines_is_a_400(start):
+    port, _, _ = start()
+    got, _, body, closed = raw(port, b"\r\n" * 10)
+    assert (got, error_code(body), closed) == (400, "bad_request", True)
+
+
+def test_http09_is_refused_at_once(start):
+    """'GET /health' with no version: answered with a 400 at once, not after the deadline (the stdlib
+    waited for headers that never come)."""
+    port, _, _ = start(request_timeout_s=30)
+    started = time.monotonic()
+    got, _, body, closed = raw(port, b"GET /health\r\n")
+    assert (got, error_code(body), closed) == (400, "bad_request", True)
+    assert time.monotonic() - started < 2
+
+
+def test_a_reset_while_the_body_is_read_is_not_an_error(start, caplog):
+    """A client that resets mid-body: no traceback in the log, no 500 attempted."""
+    port, service, _ = start()
+    with caplog.at_level(logging.INFO, logger="builder.runtime.server"):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.sendall(POST_HEAD + b"Content-Length: 1000\r\n\r\n" + b'{"input": ')
+        time.sleep(0.2)
+        sock.close()  # SO_LINGER 0: an RST
+        assert request(port, "GET", "/health")[0] == 200  # the server is still serving
+        time.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert service.calls == []
+
+
+@pytest.mark.parametrize("key", ["k\u00e9y", "k\udce9y", "two words", "tab\tkey", "nl\n"])
+def test_an_api_key_outside_printable_ascii_is_a_usage_error(key):
+    """'k\u00e9y' matched curl (UTF-8) but not Python clients (latin-1); '\udce9' (a non-UTF-8
+    MOPT_API_KEY) failed the start with a traceback."""
+    from builder.runtime.errors import UsageError
+
+    with pytest.raises(UsageError, match="printable ASCII"):
+        HttpOptions(api_key=key)
+
+
+def test_large_bodies_are_parsed_a_few_at_a_time(start, monkeypatch):
+    """A 4 MiB body can take ~20x its size once parsed: 8 at once are parsed PARSE_CONCURRENCY at a
+    time (they were parsed all at once: 256 connections could hold 256 parsed bodies)."""
+    port, service, _ = start()
+    service.limits.max_body_bytes = 1 << 20
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def loads(raw):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.1)
+        with lock:
+            now[0] -= 1
+        return json.loads(raw)
+
+    monkeypatch.setattr(srv, "json", type("J", (), {"loads": staticmethod(loads), "dumps": staticmethod(json.dumps),
+                                                    "JSONDecodeError": json.JSONDecodeError}))
+    big = {"input": "x", "pad": "y" * (srv.SMALL_BODY_BYTES + 1)}
+    threads = [threading.Thread(target=request, args=(port, "POST", "/v1/embeddings", big)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert len(service.calls) == 8 and most[0] == srv.PARSE_CONCURRENCY
+
+
+def test_a_large_body_of_too_many_inputs_is_let_go_inside_the_parse_gate(start):
+    """'[1],' x 1M parses to ~96 MB: refused before the next large body is parsed, not later in the
+    service (8 such bodies at once peaked at 476 MiB of RSS, 165 MiB with this and one parse at a time)."""
+    port, service, _ = start()
+    service.limits.max_body_bytes, service.limits.max_inputs = 1 << 20, 4
+    status, _, body = request(port, "POST", "/v1/embeddings", {"input": [[1]] * 30000})
+    assert (status, error_code(body)) == (400, "too_many_inputs") and service.calls == []
+    status, _, _ = request(port, "POST", "/v1/embeddings", {"input": [1] * 30000})  # one input of many ids
+    assert status == 200 and len(service.calls) == 1
+
+
+def test_fields_a_route_does_not_read_are_dropped_after_parsing(start):
+    class Service(FakeService):
+        REQUEST_FIELDS = {"/v1/embeddings": frozenset({"input", "sleep"})}
+
+    port, service, _ = start(Service())
+    status, _, _ = request(port, "POST", "/v1/embeddings", {"input": "x", "junk": [[1]] * 500, "sleep": 0})
+    assert status == 200 and service.calls[-1]["payload"] == {"input": "x", "sleep": 0}
+    request(port, "POST", "/embed", {"inputs": "x", "junk": 1})  # a route without a list: all kept
+    assert service.calls[-1]["payload"] == {"inputs": "x", "junk": 1}
+
+
+@pytest.mark.parametrize("headers", [
+    b"X-A: a\rContent-Length: 14\r\n",  # the stdlib read a Content-Length a proxy keeping the CR would not
+    b"Content-Length: 1\r4\r\n",
+    b"Content-Length: 14\r\nX-A: a\x00b\r\n",
+])
+def test_a_bare_cr_or_nul_in_the_headers_is_refused(start, headers):
+    port, service, _ = start()
+    got, _, body, closed = raw(port, POST_HEAD + headers + b"\r\n" + BODY)
+    assert (got, error_code(body), closed) == (400, "invalid_headers", True)
+    assert service.calls == []
+
+
+def _answers(port, data: bytes) -> tuple[bytes, bool]:
+    """Everything the server sends within 1 s, and whether it closed the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall(data)
+        sock.settimeout(1)
+        out = b""
+        try:
+            for _ in range(100):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return out, True
+                out += chunk
+        except TimeoutError:
+            pass
+        return out, False
+
+
+def test_http10_keep_alive_is_said_in_the_response(start):
+    """An HTTP/1.0 client keeps a connection only when the response says 'Connection: keep-alive';
+    without it, it waited for the close (the idle timeout)."""
+    port, _, _ = start()
+    out, closed = _answers(port, b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert b"\r\nConnection: keep-alive\r\n" in out.partition(b"\r\n\r\n")[0] + b"\r\n" and not closed
+    out, closed = _answers(port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert b"Connection: close" in out and closed
+
+
+def test_connection_close_among_other_options_closes(start):
+    port, _, _ = start()
+    out, closed = _answers(port, b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: keep-alive, close\r\n\r\n"
+                                 b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert out.count(b"HTTP/1.1 200") == 1 and b"Connection: close" in out and closed
 
 
 def test_content_length_with_surrounding_space_is_fine(start):

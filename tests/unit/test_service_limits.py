@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import threading
 import time
@@ -474,6 +475,162 @@ def test_engine_alive(make):
     assert error(svc.health).code == "engine_down"
 
 
+# --- wrong types, error params, engine failures --------------------------------------------------
+
+@pytest.mark.parametrize("route, payload, param, code", [
+    # `x or default` took these for the default: a client's bug answered with a 200
+    ("embeddings", {"encoding_format": False}, "encoding_format", "invalid_encoding_format"),
+    ("embeddings", {"encoding_format": 0}, "encoding_format", "invalid_encoding_format"),
+    ("embeddings", {"encoding_format": {}}, "encoding_format", "invalid_encoding_format"),
+    ("embeddings", {"encoding_format": []}, "encoding_format", "invalid_encoding_format"),
+    ("embed", {"truncation_direction": False}, "truncation_direction", "invalid_truncation_direction"),
+    ("embed", {"truncation_direction": 0}, "truncation_direction", "invalid_truncation_direction"),
+    ("embed", {"truncation_direction": {}}, "truncation_direction", "invalid_truncation_direction"),
+    # accepted and ignored, but strings as in OpenAI's API
+    ("embeddings", {"model": 10 ** 30}, "model", "invalid_model"),
+    ("embeddings", {"model": ["x"]}, "model", "invalid_model"),
+    ("embeddings", {"user": {"id": 1}}, "user", "invalid_user"),
+])
+def test_wrong_types_of_optional_fields_are_400s(make, route, payload, param, code):
+    svc = make()
+    key = "input" if route == "embeddings" else "inputs"
+    err = error(getattr(svc, route), {key: "ab", **payload})
+    assert (err.status, err.param, err.code) == (400, param, code)
+    assert svc.engine.batches == []
+
+
+def test_optional_string_fields_accept_strings_and_null(make):
+    svc = make()
+    body, _ = svc.embeddings({"input": "ab", "model": "any", "user": None, "encoding_format": None})
+    assert len(body["data"]) == 1
+    assert len(svc.embed({"inputs": "ab", "truncation_direction": None})[0]) == 1
+
+
+@pytest.mark.parametrize("payload, code", [
+    ({"inputs": [[0, 100]]}, "invalid_token_id"),
+    ({"inputs": "a" * 200}, "input_too_long"),
+    ({"inputs": [[1] * 17]}, "context_length_exceeded"),
+    ({"inputs": "a" * 16, "prompt_name": "query"}, "context_length_exceeded"),
+])
+def test_embed_errors_name_the_inputs_field(make, payload, code):
+    """/embed's field is 'inputs': its errors' param says so (it said 'input', OpenAI's name)."""
+    err = error(make().embed, payload)
+    assert (err.status, err.param, err.code) == (400, "inputs", code)
+
+
+def test_a_failed_engine_call_is_a_500_logged_once(make, caplog):
+    svc = make()
+    boom = RuntimeError("kernel failed")
+
+    def failing(seqs):
+        raise boom
+
+    svc.batcher._embed = failing
+    with caplog.at_level(logging.ERROR, logger="builder.runtime.service"):
+        errs = [error(svc.embeddings, {"input": "ab"}) for _ in range(2)]
+    assert [(e.status, e.code) for e in errs] == [(500, "engine_error")] * 2
+    assert "kernel failed" not in errs[0].message  # the cause goes to the log, not to clients
+    lines = [r for r in caplog.records if r.name == "builder.runtime.service"]
+    assert len(lines) == 1 and "kernel failed" in lines[0].getMessage() and lines[0].exc_info is None
+
+
+def test_a_dead_engine_worker_is_a_503_not_a_500(make):
+    """kill -9 of the worker: requests in flight get engine_down (retry elsewhere), not a 500 and a
+    traceback each; the watchdog stops the server."""
+    svc = make()
+    svc.engine.alive = lambda: False
+
+    def gone(seqs):
+        raise RuntimeError("the engine process is gone (exit code -9)")
+
+    svc.batcher._embed = gone
+    err = error(svc.embeddings, {"input": "ab"})
+    assert (err.status, err.code, err.body()["error"]["type"]) == (503, "engine_down", "server_error")
+
+
+def test_a_broken_pipe_to_the_worker_waits_for_it_to_be_reaped():
+    """kill -9 of the worker: the pipe broke before is_alive() turned False, so the service saw a live
+    engine and answered 500 engine_error with 'exit code None'; now 503 engine_down with the code."""
+    from builder.runtime.worker import EngineProcess
+
+    class Conn:
+        def send(self, seqs):
+            pass
+
+        def recv(self):
+            raise EOFError
+
+    class Proc:
+        exitcode = None
+
+        def join(self, timeout=None):
+            self.exitcode = -9  # reaped
+
+        def is_alive(self):
+            return self.exitcode is None
+
+    engine = object.__new__(EngineProcess)
+    engine._conn, engine._proc = Conn(), Proc()
+    with pytest.raises(RuntimeError, match=r"exit code -9"):
+        engine.embed_ids([[1]])
+    assert engine.alive() is False
+
+
+def _request_schema(path: str) -> dict:
+    doc = json.loads((Path(service_module.__file__).with_name("openapi.json")).read_text())
+    return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+# (payload, accepted): what the service does and what /openapi.json says must agree
+OPENAI_SAMPLES = [
+    ({"input": "ab"}, True), ({"input": ["ab", "c"]}, True), ({"input": [1, 2]}, True), ({"input": [[1], [2]]}, True),
+    ({"input": ""}, False), ({"input": []}, False), ({"input": [[]]}, False), ({"input": [""]}, False),
+    ({"input": [True]}, False), ({"input": [1.5]}, False), ({"input": "ab", "truncate_prompt_tokens": -1}, True),
+    ({"input": "ab", "truncate_prompt_tokens": 3}, True), ({"input": "ab", "truncate_prompt_tokens": 0}, False),
+    ({"input": "ab", "truncate_prompt_tokens": -2}, False), ({"input": "ab", "truncate_prompt_tokens": True}, False),
+    ({"input": "ab", "truncate_prompt_tokens": None}, True), ({"input": "ab", "encoding_format": "base64"}, True),
+    ({"input": "ab", "encoding_format": None}, True), ({"input": "ab", "encoding_format": "int8"}, False),
+    ({"input": "ab", "encoding_format": False}, False), ({"input": "ab", "input_type": "query"}, True),
+    ({"input": "ab", "input_type": "passage"}, False), ({"input": "ab", "model": "m", "user": "u"}, True),
+    ({"input": "ab", "model": 5}, False), ({"input": "ab", "dimensions": 4}, True),
+    ({"input": "ab", "dimensions": 4.5}, False), ({"input": "ab", "dimensions": True}, False),
+]
+TEI_SAMPLES = [
+    ({"inputs": "ab"}, True), ({"inputs": ["ab"]}, True), ({"inputs": [1, 2]}, True), ({"inputs": [[1, 2]]}, True),
+    ({"inputs": ""}, False), ({"inputs": "ab", "truncate": True, "truncation_direction": "Left"}, True),
+    ({"inputs": "ab", "truncation_direction": "left"}, True), ({"inputs": "ab", "truncation_direction": "up"}, False),
+    ({"inputs": "ab", "truncation_direction": 0}, False), ({"inputs": "ab", "truncate": None}, True),
+    ({"inputs": "ab", "truncate": 1}, False), ({"inputs": "ab", "prompt_name": "query"}, True),
+    ({"inputs": "ab", "prompt_name": "passage"}, False), ({"inputs": "ab", "prompt_name": None}, True),
+    ({"inputs": "ab", "normalize": True}, True), ({"inputs": "ab", "normalize": "yes"}, False),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/embeddings", "/embed"])
+def test_the_fields_the_transport_keeps_are_the_documented_ones(path):
+    """The transport drops every other field after parsing (server.Handler._parse)."""
+    assert EmbeddingService.REQUEST_FIELDS[path] == set(_request_schema(path)["properties"])
+
+
+@pytest.mark.parametrize("route, path, payload, accepted",
+                         [("embeddings", "/v1/embeddings", *s) for s in OPENAI_SAMPLES]
+                         + [("embeddings", "/embeddings", *s) for s in OPENAI_SAMPLES[:3]]
+                         + [("embed", "/embed", *s) for s in TEI_SAMPLES])
+def test_openapi_request_schemas_match_what_the_service_accepts(make, route, path, payload, accepted):
+    """The document said truncate_prompt_tokens >= 1 (-1 is accepted), /embed took strings only (token
+    ids are accepted), prompt_name any string (only "query" is)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    svc = make(engine_kw={"matryoshka_min_dim": 2})
+    try:
+        getattr(svc, route)(payload)
+        served = True
+    except ApiError as err:
+        assert err.status == 400
+        served = False
+    documented = jsonschema.Draft202012Validator(_request_schema(path)).is_valid(payload)
+    assert (served, documented) == (accepted, accepted)
+
+
 # --- metrics -------------------------------------------------------------------------------------
 
 def _families(svc) -> dict:
@@ -557,6 +714,29 @@ def test_last_token_pooling_truncation_keeps_eos_within_the_limit(tmp_path, eos_
     assert full[-1] == enc.eos_id and full.count(enc.eos_id) == 1
     for direction, kept in (("right", full[:7]), ("left", full[-8:-1])):
         assert enc.encode([TEXT], max_tokens=8, direction=direction) == [kept + [enc.eos_id]]
+
+
+def test_a_left_cut_of_a_query_keeps_its_instruction(tmp_path, make):
+    """truncate_prompt_tokens keeps the last k tokens: on a query it cut the instruction first (the
+    model got a query embedded as a document); now the cut is taken from the query text."""
+    from builder.runtime.tiny_qwen3 import EOS, build_tokenizer
+
+    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS}))
+    enc = TextEncoder(tmp_path, "last", instruction="Find the doc")
+    head = enc.encode([enc.format_query("")])[0][:-1]  # the instruction's tokens (no EOS)
+    text = "b c " * 50
+    kept = enc.encode([enc.format_query(text)], max_tokens=20, direction="left", keep_prefix=enc.query_prefix)[0]
+    assert len(kept) == 20 and kept[:len(head)] == head and kept[-1] == enc.eos_id
+    assert kept[len(head):-1] == enc.encode([text])[0][-(20 - len(head) - 1) - 1:-1]  # the text's end
+    # through the service: the engine gets the same ids
+    svc = make(engine_kw={"max_seq_len": 32})
+    svc.engine.encoder = enc
+    svc.embeddings({"input": text, "input_type": "query", "truncate_prompt_tokens": 20})
+    assert svc.engine.seen() == [kept]
+    # a document, or a query cut on the right, is unchanged
+    assert enc.encode([text], max_tokens=20, direction="left", keep_prefix="") == enc.encode(
+        [text], max_tokens=20, direction="left")
 
 
 # --- the CLI flags -------------------------------------------------------------------------------
