@@ -251,7 +251,7 @@ def cmd_serve(a) -> int:
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
                           max_body_bytes=a.max_body_bytes, max_input_chars=a.max_input_chars,
                           max_request_tokens=a.max_request_tokens, max_queue_tokens=a.max_queue_tokens,
-                          auto_truncate=a.auto_truncate)
+                          auto_truncate=a.auto_truncate, request_timeout_s=a.request_timeout)
     if limits.max_batch < 1 or limits.max_inputs < 1:
         raise UsageError("--max-batch and --max-inputs must be >= 1")
     if a.engine_process:  # the guard, the load and the forward passes in a worker (worker.py says why)
