@@ -76,7 +76,8 @@ def small_behind_large(port: int, count: int, large_text: str) -> dict:
     alone: list = []
     timed({"input": "hi"}, alone)
     large: list = []
-    threads = [threading.Thread(target=timed, args=({"input": [large_text] * count}, large)) for _ in range(3)]
+    threads = [threading.Thread(target=timed, args=({"input": [large_text] * count, "truncate_prompt_tokens": -1},
+                                                           large)) for _ in range(3)]
     for t in threads:
         t.start()
     time.sleep(0.3)
