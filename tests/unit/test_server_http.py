@@ -18,7 +18,7 @@ from builder.runtime import server as srv
 from builder.runtime.server import HttpOptions, make_server
 from builder.runtime.service import ApiError
 
-WAIT = 5  # seconds any socket may wait before the test fails
+WAIT = 20  # seconds any socket may wait before the test fails (generous: a loaded 2-core machine)
 KEY = "s3cret-key"
 
 
