@@ -12,6 +12,7 @@ checks the host, and runs each image's smoke test locally.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -33,6 +34,13 @@ SUMS = "SHA256SUMS"
 ENGINE_DIR = "/opt/mopt/engine"
 
 
+_LIST_DISTRIBUTIONS = """
+import importlib.metadata, json
+seen = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+print(json.dumps([{"name": n, "version": v} for n, v in seen.items()]))
+"""
+
+
 def _in_image(docker: DockerCli, image: str, script: str) -> str:
     return run_docker(["run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c", script],
                       docker=docker, timeout=300).stdout
@@ -41,7 +49,8 @@ def _in_image(docker: DockerCli, image: str, script: str) -> str:
 def sbom(docker: DockerCli, image_id: str, reference: str) -> dict:
     """CycloneDX 1.5 from the image's own package databases: dpkg and the venv's pip."""
     debs = _in_image(docker, image_id, "dpkg-query -W -f '${Package}\\t${Version}\\t${Architecture}\\n'")
-    pips = json.loads(_in_image(docker, image_id, "python -m pip list --format json --disable-pip-version-check"))
+    # From the installed distributions' metadata, not `pip list`: the final image carries no pip.
+    pips = json.loads(_in_image(docker, image_id, "python -c " + shlex.quote(_LIST_DISTRIBUTIONS)))
     components = []
     for line in sorted(debs.strip().splitlines()):
         name, version, arch = line.split("\t")
