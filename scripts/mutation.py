@@ -288,8 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mutation: mutmut run failed (exit {run.returncode})", file=sys.stderr)
         return 2
     status, paths = results()
-    return report(selected, names or all_mutants(selected), status, paths, accepted, args,
-                  time.monotonic() - started)
+    names = names or all_mutants(selected)
+    if names and all(status.get(n, "not checked") == "not checked" for n in names):
+        # mutmut stops before any mutant when the tests fail on the unmutated code: that is no pass.
+        print(run.stdout[-3000:], run.stderr[-3000:], sep="\n", file=sys.stderr)
+        print("mutation: no mutant was checked (do the tests pass on the unmutated code?)", file=sys.stderr)
+        return 2
+    return report(selected, names, status, paths, accepted, args, time.monotonic() - started)
 
 
 def report(targets: list[Target], names: list[str], status: dict[str, str], paths: dict[str, str],

@@ -79,6 +79,13 @@ def _settle(fut: Future, result=None, exc: BaseException | None = None) -> None:
         pass
 
 
+def blend_rate(rate: float, tokens: int, seconds: float) -> float:
+    """The engine's recent tokens per second: the first batch's rate, then a moving average that gives
+    each new batch a fifth of the weight (one slow batch moves Retry-After, it does not set it)."""
+    latest = tokens / seconds
+    return latest if rate <= 0 else 0.8 * rate + 0.2 * latest
+
+
 class Batcher:
     def __init__(self, embed_ids, max_batch: int, max_wait_ms: float, metrics=None,
                  max_queue_tokens: int | None = None):
@@ -167,7 +174,7 @@ class Batcher:
             if not self._jobs:
                 if self._stop:
                     return []
-                self._cond.wait(0.1)
+                self._cond.wait()  # submit() and close() notify
                 self._drop_dead(time.monotonic())
                 if not self._jobs:
                     return []
@@ -210,7 +217,7 @@ class Batcher:
         took = time.monotonic() - started
         tokens = sum(len(s) for s in flat)
         if took > 0:
-            self._rate = tokens / took if self._rate <= 0 else 0.8 * self._rate + 0.2 * tokens / took
+            self._rate = blend_rate(self._rate, tokens, took)
         if self.metrics:
             self.metrics.batch_done(len(flat))
         pos = 0

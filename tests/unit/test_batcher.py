@@ -255,6 +255,29 @@ def test_a_full_queue_refuses_with_a_retry_hint(make):
     assert batcher.submit([[9] * 10]).result(WAIT) == [vec([9] * 10)]
 
 
+def test_the_engine_rate_is_the_first_batch_then_a_moving_average():
+    from builder.runtime.batcher import blend_rate
+
+    assert blend_rate(0.0, 100, 2.0) == 50.0  # the first batch sets it
+    assert blend_rate(50.0, 100, 1.0) == pytest.approx(0.8 * 50 + 0.2 * 100)  # a fifth of the weight
+
+
+@pytest.mark.parametrize("rate, hint", [(1.0, 5), (2.0, 2), (10.0, 1), (0.01, 30)])
+def test_the_retry_hint_is_the_queue_drained_at_the_engine_rate(make, rate, hint):
+    from builder.runtime.batcher import QueueFull
+
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=1, max_queue_tokens=5)
+    busy(batcher, engine, 1)
+    queued = batcher.submit([[1, 2, 3, 4, 5]])  # 5 tokens waiting
+    batcher._rate = rate  # as if measured: seconds = 5 tokens / rate, within 1..30
+    with pytest.raises(QueueFull) as full:
+        batcher.submit([[6]])
+    assert full.value.retry_after == hint
+    engine.release.set()
+    assert queued.result(WAIT) == [vec([1, 2, 3, 4, 5])]
+
+
 @pytest.mark.parametrize("kind", ["deadline", "client_gone", "cancelled"])
 def test_dead_requests_leave_the_queue_before_the_engine_sees_them(make, kind):
     from builder.runtime.batcher import Dropped

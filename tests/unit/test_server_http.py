@@ -429,6 +429,8 @@ def test_framing_refused_and_closed(start, headers, status, code):
     got, _, body, closed = raw(port, POST_HEAD + headers + b"\r\n" + BODY + smuggled)
     assert (got, error_code(body), closed) == (status, code, True)
     assert service.calls == []
+    if headers == b"Content-Length 14\r\n":  # a line without a colon: the parser's defect, named as such
+        assert json.loads(body)["error"]["message"] == "malformed request headers"
 
 
 def test_empty_lines_before_a_request_line_are_ignored(start):
