@@ -24,7 +24,7 @@ from .errors import BuildError, ConfigError, EnvironmentProblem
 from .hashing import sha256_text, tree_digest
 from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
-from .models import LocalModel, choose, materialise
+from .models import LocalModel, choose, image_tags, materialise, model_labels
 from .plan import Variant
 from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, render_variant
 from .state import ModelRecord, StageRecord, StateDir, VariantRecord
@@ -341,7 +341,11 @@ class Builder:
         engine_json = json.loads((engine_dir / "engine.json").read_text())
         engine_sha = engine_json.get("engine_sha256", "")
 
-        final_key = sha256_text(keys["final"], compiled.key, runtime.image_id)
+        # A substitute model is built under its own tags and labels, never the variant's (models.image_tags).
+        short_tag, long_tag = image_tags(variant.tag, variant.long_tag, model.substituted)
+        labels = {"io.mopt.runtime.id": runtime.image_id, **model_labels(model, entry.recipe.description),
+                  "org.opencontainers.image.ref.name": short_tag}
+        final_key = sha256_text(keys["final"], compiled.key, runtime.image_id, json.dumps(labels, sort_keys=True))
 
         def build_final(tag: str) -> str:
             context = self.state.context("final", final_key)
@@ -352,8 +356,7 @@ class Builder:
             try:
                 image_id = self._docker_build(
                     variant, "final", render_dir / "Dockerfile.final", context, tag, final_key,
-                    {"RUNTIME_IMAGE": runtime.image, "ENGINE_SHA256": engine_sha},
-                    {"io.mopt.runtime.id": runtime.image_id, "io.mopt.model.digest": model.digest})
+                    {"RUNTIME_IMAGE": runtime.image, "ENGINE_SHA256": engine_sha}, labels)
             finally:
                 shutil.rmtree(context, ignore_errors=True)
             self._verify_parent(variant, runtime, tag)
@@ -361,7 +364,7 @@ class Builder:
 
         final = self._stage(variant, "final", final_key, build_final)
         stages.append(final)
-        references = (f"{variant.repository}:{variant.tag}", f"{variant.repository}:{variant.long_tag}")
+        references = (f"{variant.repository}:{short_tag}", f"{variant.repository}:{long_tag}")
         # The final image is verified (parent check) before these tags; long tag first, as in publish.
         for ref in reversed(references):
             run_docker(["tag", final.image_id, ref], docker=self.docker)
@@ -437,5 +440,5 @@ class Builder:
             id=variant.id, image_id=result.image_id, references=result.references, engine_dir=result.engine_dir,
             engine_sha256=result.engine_sha256,
             model=ModelRecord(source=model.source, digest=model.digest, dimension=model.dimension,
-                              substituted=model.substituted),
+                              substituted=model.substituted, declared=model.declared, why=model.why),
             stages=result.stages, size_bytes=result.size_bytes))

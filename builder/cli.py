@@ -33,6 +33,22 @@ def _load(matrix_path: str):
     return load_matrix(Path(matrix_path))
 
 
+def _model_choices(matrix, variants, policy: str) -> dict:
+    """variant id -> the ModelChoice a build under this --models policy makes (the Hub is asked once)."""
+    from functools import cache
+
+    from .models import choose, hub_reachable
+
+    hub = cache(hub_reachable)
+    choices = {}
+    for v in variants:
+        try:
+            choices[v.id] = choose(matrix.image(v.image).recipe, policy, hub)
+        except MoptError as exc:  # e.g. the Hub is out of reach and the recipe has no substitute
+            raise type(exc)(f"{v.id}: {exc.message}") from None
+    return choices
+
+
 def _plan(matrix_path: str, select: tuple[str, ...]):
     from .plan import make_plan
 
@@ -44,6 +60,10 @@ matrix_option = click.option("--matrix", "matrix_path", default=DEFAULT_MATRIX, 
                              show_default=True, show_envvar=True, help="The matrix file.")
 select_option = click.option("--select", multiple=True, metavar="GLOB",
                              help="Only variants whose id matches this fnmatch glob (repeatable).")
+models_option = click.option(
+    "--models", type=click.Choice(["auto", "source", "substitute"]), default="auto", show_default=True,
+    help="auto uses a recipe's substitute model where its source (the Hub) is unreachable; a substitute is "
+         "tagged TAG-substitute and labelled as such.")
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
                              show_default=True)
 
@@ -58,21 +78,32 @@ def cli() -> None:
 @matrix_option
 @select_option
 @format_option
-def plan(matrix_path: str, select: tuple[str, ...], fmt: str) -> None:
-    """Expand the matrix into variants; list rejected combinations with their reasons."""
-    _, result = _plan(matrix_path, select)
+@models_option
+def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> None:
+    """Expand the matrix into variants; list rejected combinations with their reasons, and the variants a
+    build would give a substitute model (tagged TAG-substitute) and why."""
+    matrix, result = _plan(matrix_path, select)
+    choices = _model_choices(matrix, result.variants, models)
     if fmt == "json":
-        _echo_json(result.to_json())
+        _echo_json(result.to_json() | {"models": {
+            vid: {"source": c.source.text, "substituted": c.substituted, "why": " ".join(c.why.split())}
+            for vid, c in choices.items()}})
         return
     table = Table(title=f"{len(result.variants)} variants from {result.combinations} combinations")
     table.add_column("id", no_wrap=True)
-    for column in ("backend", "cuda", "sm", "version", "torch", "min driver"):
+    for column in ("backend", "cuda", "sm", "version", "torch", "min driver", "model"):
         table.add_column(column, no_wrap=True)
     for v in result.variants:
-        r = v.resolved
+        r, choice = v.resolved, choices[v.id]
+        model = f"substitute: {choice.source.text}" if choice.substituted else choice.source.text
         table.add_row(v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-", str(r.get("backend_version")),
-                      r.get("torch") or "-", r.get("min_driver") or "-")
+                      r.get("torch") or "-", r.get("min_driver") or "-", escape(model))
     stdout.print(table)
+    whys = {choices[v.id].why: v.image for v in result.variants if choices[v.id].substituted}
+    for why, image in whys.items():
+        why = escape(" ".join(why.split()))
+        stderr.print(f"[yellow]substitute:[/] {image}'s variants would carry a substitute model, tagged "
+                     f"TAG-substitute and refused by publish without --allow-substitute: {why}")
     if result.rejected:
         rejected = Table(title=f"{len(result.rejected)} rejected")
         rejected.add_column("would be", no_wrap=True)
@@ -156,6 +187,9 @@ def matrix_cmd(matrix_path: str, select: tuple[str, ...], github: bool) -> None:
     click.echo(json.dumps({"include": include}, separators=(",", ":")))
 
 
+allow_substitute_option = click.option(
+    "--allow-substitute", is_flag=True, envvar="MOPT_ALLOW_SUBSTITUTE", show_envvar=True,
+    help="Ship images built with a recipe's substitute model (only ever under TAG-substitute; refused otherwise).")
 state_option = click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
                             default=".mopt", envvar="MOPT_STATE_DIR", show_default=True, show_envvar=True,
                             help="Where stage records, engines, models, logs and reports live.")
@@ -202,9 +236,7 @@ def hermetic_options(fn):
                      help="Wheelhouse directory mounted into pip steps (default: $PIP_FIND_LINKS)."),
         click.option("--index-url", help="pip index mirror (passed as a secret pip.conf, never a build arg)."),
         click.option("--extra-index-url", multiple=True, help="Extra pip index (repeatable)."),
-        click.option("--models", type=click.Choice(["auto", "source", "substitute"]), default="auto",
-                     show_default=True,
-                     help="auto uses a recipe's substitute model where its source (the Hub) is unreachable."),
+        models_option,
     ]):
         fn = option(fn)
     return fn
@@ -289,12 +321,14 @@ def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path) -> None
 @state_option
 @click.option("--registry", required=True, metavar="HOST[:PORT][/NAMESPACE]")
 @click.option("--dry-run", is_flag=True, help="Show what would move; push nothing.")
-def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, dry_run: bool) -> None:
+@allow_substitute_option
+def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, dry_run: bool,
+            allow_substitute: bool) -> None:
     """Push images whose smoke test passed: immutable long tag first, digest verified, then the short tag."""
     from .release import run_release
 
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, "none", (), None, (), "auto"),
-                steps=("publish",), registry=registry, dry_run=dry_run)
+                steps=("publish",), registry=registry, dry_run=dry_run, allow_substitute=allow_substitute)
 
 
 @cli.command()
@@ -304,15 +338,16 @@ def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @hermetic_options
 @click.option("--registry", metavar="HOST[:PORT][/NAMESPACE]", help="Publish here (omit to build and test only).")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failing variant (default: keep going).")
+@allow_substitute_option
 def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
-            extra_index_url, models, registry: str | None, fail_fast: bool) -> None:
+            extra_index_url, models, registry: str | None, fail_fast: bool, allow_substitute: bool) -> None:
     """plan -> build -> test -> publish, keep-going, with a JSON + Markdown report."""
     from .release import run_release
 
     steps = ("build", "test", "publish") if registry else ("build", "test")
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
                                                     extra_index_url, models),
-                steps=steps, registry=registry, fail_fast=fail_fast)
+                steps=steps, registry=registry, fail_fast=fail_fast, allow_substitute=allow_substitute)
 
 
 @cli.command()
@@ -386,9 +421,12 @@ def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle directory, or a .tar file.")
 @click.option("--format", "image_format", type=click.Choice(["docker", "oci"]), default="docker", show_default=True,
               help="docker archive (docker load) or OCI archive (skopeo).")
-def export_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path, out: Path, image_format: str) -> None:
+@allow_substitute_option
+def export_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path, out: Path, image_format: str,
+               allow_substitute: bool) -> None:
     """Write an air-gap bundle: images, sha256 sums, lock, report and a CycloneDX SBOM per image."""
     from .bundle import export
+    from .release import refuse_substitute
     from .state import StateDir
 
     matrix, result = _plan(matrix_path, select)
@@ -399,6 +437,7 @@ def export_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path, out: 
         if record is None or not state.smoke_passed(variant.image, variant.tag, record):
             raise ConfigError(f"{variant.id} has not been built and smoke-tested here (mopt release --select "
                               f"'{variant.id}'); only tested images are exported")
+        refuse_substitute(variant, record, allow_substitute, "exporting")
         recipe = matrix.image(variant.image).recipe
         chosen.append((variant, record, {"port": recipe.port, "inputs": list(recipe.smoke_inputs),
                                          "dimension": record.model.dimension, "min_cosine": recipe.min_cosine,

@@ -15,6 +15,7 @@ from .build import Builder, BuildOptions
 from .errors import MoptError, PublishError, SmokeTestError
 from .hashing import sha256_text
 from .matrix import load_matrix
+from .models import SUBSTITUTE_SUFFIX, image_tags
 from .plan import Variant, make_plan
 from .report import ReleaseReport, VariantReport
 from .state import SmokeRecord, StateDir, VariantRecord
@@ -57,15 +58,25 @@ def _smoke(state: StateDir, matrix, variant: Variant, record: VariantRecord, row
     _say(f"{variant.id}: smoke test passed (cosine {result.min_cosine:.5f}, healthy after {result.start_seconds}s)")
 
 
-def _publish_item(state: StateDir, variant: Variant, record: VariantRecord):
-    """The PublishItem for a variant whose smoke test passed for exactly this image."""
+def _publish_item(state: StateDir, variant: Variant, record: VariantRecord, allow_substitute: bool):
+    """The PublishItem for a variant whose smoke test passed for exactly this image. A substituted model
+    is published only when asked for, and then only under its -substitute tags."""
     from .registry.phases import PublishItem
 
     if not state.smoke_passed(variant.image, variant.tag, record):
         raise PublishError(f"{variant.id}: image {record.image_id[:19]} has not passed its smoke test; "
                            "not publishing")
+    refuse_substitute(variant, record, allow_substitute, "publishing")
+    short_tag, long_tag = image_tags(variant.tag, variant.long_tag, record.model.substituted)
     return PublishItem(variant_id=variant.id, image_id=record.image_id, repository=variant.repository,
-                       long_tag=variant.long_tag, short_tag=variant.tag)
+                       long_tag=long_tag, short_tag=short_tag)
+
+
+def refuse_substitute(variant: Variant, record: VariantRecord, allow_substitute: bool, doing: str) -> None:
+    if record.model.substituted and not allow_substitute:
+        raise PublishError(f"{variant.id}: image {record.image_id[:19]} holds {record.model.source}, a substitute "
+                           f"for {record.model.declared or 'the recipe model'}; not {doing} it (pass "
+                           f"--allow-substitute to ship it as {variant.tag}{SUBSTITUTE_SUFFIX})")
 
 
 def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | None:
@@ -103,7 +114,8 @@ def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | 
 
 
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
-                registry: str | None = None, dry_run: bool = False, fail_fast: bool = False) -> ReleaseReport:
+                registry: str | None = None, dry_run: bool = False, fail_fast: bool = False,
+                allow_substitute: bool = False) -> ReleaseReport:
     matrix = load_matrix(Path(matrix_path))
     full = make_plan(matrix)
     plan = make_plan(matrix, select) if select else full
@@ -136,10 +148,13 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
                 elif record is None:
                     raise MoptError(f"{variant.id}: not built yet (run mopt build first)")
                 row.built, row.image_id, row.size_bytes = True, record.image_id, record.size_bytes
+                if record.model.substituted:
+                    row.tag, row.long_tag = image_tags(variant.tag, variant.long_tag, True)
+                    row.substitute = f"{record.model.source} for {record.model.declared}: {record.model.why}"
                 if step == "test":
                     _smoke(state, matrix, variant, record, row)
                 elif step == "publish":
-                    pending.append((_publish_item(state, variant, record), row))
+                    pending.append((_publish_item(state, variant, record, allow_substitute), row))
                     continue
                 row.durations[step] = round(time.monotonic() - started, 1)
         except MoptError as exc:

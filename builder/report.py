@@ -34,6 +34,7 @@ class VariantReport:
     build_work: bool = False  # False when every stage was already built
     smoke: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    substitute: str = ""  # the model inside when it is not the recipe's (tags end in -substitute)
 
     @property
     def status(self) -> str:
@@ -83,6 +84,10 @@ class ReleaseReport:
             reason = v.reason.replace("|", "\\|").replace("\n", " ")[:200] if v.reason else ""
             lines.append(f"| `{v.id}` | {v.status} | {built} | {mark[v.tested]} | {mark[v.published]} | {size} | "
                          f"{d.get('build', '-')} | {d.get('test', '-')} | {d.get('publish', '-')} | {reason} |")
+        substitutes = [(v.id, v.substitute) for v in self.variants if v.substitute]
+        if substitutes:
+            lines += ["", "## substituted models (not the recipe's model; tagged -substitute)", ""]
+            lines += [f"- `{vid}`: {' '.join(what.split())}" for vid, what in substitutes]
         notes = [(v.id, note) for v in self.variants for note in v.notes]
         if notes:
             lines += ["", "## notes", ""] + [f"- `{vid}`: {note}" for vid, note in notes]

@@ -38,10 +38,12 @@ class StageRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelRecord:
-    source: str
+    source: str  # the model inside the image
     digest: str
     dimension: int
     substituted: bool
+    declared: str = ""  # the recipe's model, when source is a substitute for it
+    why: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +73,8 @@ class VariantRecord:
         return {"id": self.id, "image_id": self.image_id, "references": list(self.references),
                 "engine_dir": str(self.engine_dir), "engine_sha256": self.engine_sha256,
                 "model": {"source": self.model.source, "digest": self.model.digest,
-                          "dimension": self.model.dimension, "substituted": self.model.substituted},
+                          "dimension": self.model.dimension, "substituted": self.model.substituted,
+                          "declared": self.model.declared, "why": self.model.why},
                 "stages": [{"name": s.name, "key": s.key, "image": s.image, "image_id": s.image_id,
                             "skipped": s.skipped, "seconds": s.seconds} for s in self.stages],
                 "size_bytes": self.size_bytes}

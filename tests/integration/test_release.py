@@ -49,8 +49,9 @@ def latest_report() -> dict:
 
 @pytest.fixture(scope="session")
 def released(registry):
-    """One release of both cpu variants into namespace ci/; later tests look at what it left."""
-    result = mopt("release", "--select", "*:cpu", "--registry", f"{registry.address}/ci",
+    """One release of both cpu variants into namespace ci/; later tests look at what it left. qwen3-embed's
+    model (the Hub's) is out of reach here: its substitute is shipped, as asked, under cpu-substitute."""
+    result = mopt("release", "--select", "*:cpu", "--registry", f"{registry.address}/ci", "--allow-substitute",
                   docker_config=registry.docker_config)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, latest_report()
@@ -65,8 +66,13 @@ def test_release_publishes_verified_images(registry, released):
         assert row["smoke"]["accuracy"] == "ok" and row["smoke"]["guard-refuses-tampered-engine"] == "ok"
         image = variant_id.split(":")[0]
         long_digest = manifest_digest(registry, f"ci/{image}", row["long_tag"])
-        assert long_digest and long_digest == manifest_digest(registry, f"ci/{image}", "cpu") == row["digest"]
+        assert long_digest and long_digest == manifest_digest(registry, f"ci/{image}", row["tag"]) == row["digest"]
     assert sorted(catalog(registry)) == ["ci/minilm-embed", "ci/qwen3-embed"]
+    # The substitute never carries the real model's tags, here or in the local daemon.
+    assert rows["qwen3-embed:cpu"]["tag"] == "cpu-substitute" and rows["qwen3-embed:cpu"]["long_tag"].endswith(
+        "-substitute") and "generate:tiny-qwen3" in rows["qwen3-embed:cpu"]["substitute"]
+    assert manifest_digest(registry, "ci/qwen3-embed", "cpu") is None
+    assert rows["minilm-embed:cpu"]["tag"] == "cpu" and not rows["minilm-embed:cpu"]["substitute"]
     assert "minilm-embed:cpu" in result.stderr and "smoke test" in result.stderr
 
 
@@ -84,8 +90,33 @@ def test_image_labels_and_engine_fingerprint(docker_cli, released):
     assert info["Config"]["User"] == "10001:10001"
 
 
+def test_substitute_labels_name_the_model_inside(docker_cli, released):
+    _, report = released
+    row = next(v for v in report["variants"] if v["id"] == "qwen3-embed:cpu")
+    info = json.loads(run_docker(["image", "inspect", row["image_id"]], docker=docker_cli).stdout)[0]
+    labels = info["Config"]["Labels"]
+    assert labels["io.mopt.model"] == "generate:tiny-qwen3?seed=0" and labels["io.mopt.model.substitute"] == "true"
+    assert labels["io.mopt.model.declared"] == "hf://Qwen/Qwen3-Embedding-0.6B@main"
+    assert "unreachable" in labels["io.mopt.model.substitute.reason"]
+    assert labels["org.opencontainers.image.description"].startswith("SUBSTITUTE: generate:tiny-qwen3")
+    assert labels["org.opencontainers.image.ref.name"] == "cpu-substitute"
+    assert all(ref.split(":")[-1].endswith("-substitute") for ref in info["RepoTags"]), info["RepoTags"]
+    minilm = next(v for v in report["variants"] if v["id"] == "minilm-embed:cpu")
+    real = json.loads(run_docker(["image", "inspect", minilm["image_id"]], docker=docker_cli).stdout)[0]
+    assert real["Config"]["Labels"]["io.mopt.model.substitute"] == "false"
+
+
+def test_a_substitute_is_not_published_without_allow_substitute(registry, released):
+    result = mopt("publish", "--select", "qwen3-embed:cpu", "--registry", f"{registry.address}/refused",
+                  docker_config=registry.docker_config)
+    assert result.returncode == 6, result.stderr[-2000:]
+    assert "a substitute for hf://Qwen/Qwen3-Embedding-0.6B@main" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not [repo for repo in catalog(registry) if repo.startswith("refused/")]
+
+
 def test_second_release_does_no_build_work(registry, released):
-    result = mopt("release", "--select", "*:cpu", "--registry", f"{registry.address}/ci",
+    result = mopt("release", "--select", "*:cpu", "--registry", f"{registry.address}/ci", "--allow-substitute",
                   docker_config=registry.docker_config)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "nothing was rebuilt" in result.stderr
