@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import base as base_module
+from . import hub
 from .dockerclient import DOCKER_ROOT, DockerCli, docker_free_gib, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
 from .hashing import sha256_text, tree_digest
+from .hub import HubSettings
 from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
 from .models import LocalModel, choose, image_tags, materialise, model_labels
@@ -332,9 +334,14 @@ class Builder:
             compiler = self._toolchain(variant, render_dir, runtime, keys["toolchain"], lock_files, lock_digest)
             stages.append(compiler)
 
-        choice = choose(entry.recipe, self.options.models)
+        settings = HubSettings.from_env()  # its token is used here only, never passed to docker
+        pinned = self._pinned_model(variant, entry.recipe)
+        # auto: the real model when the Hub answers or the cache has it; else the recipe's substitute.
+        choice = choose(entry.recipe, self.options.models,
+                        lambda: hub.available(entry.recipe.model.ref, self.state.models, settings, pinned))
         model = materialise(entry.recipe, choice, self.state.models, lambda line: self.log("  " + line),
-                            generate=self._generate_model(variant, runtime))
+                            generate=self._generate_model(variant, runtime), hub_settings=settings,
+                            pinned=pinned if not choice.substituted else None)
         compiled = self._compile(variant, rendered, render_dir, compiler, model)
         stages.append(compiled)
         engine_dir = Path(compiled.image)
@@ -396,6 +403,16 @@ class Builder:
             return image_id
 
         return self._stage(variant, "toolchain", key, build)
+
+    def _pinned_model(self, variant: Variant, recipe) -> dict | None:
+        """--locked with an hf:// model: the lock's commit and file hashes for it (a stale lock is an error)."""
+        if self.options.lock_file is None or recipe.model.kind != "hf":
+            return None
+        pinned = read_lock(self.options.lock_file).get("models", {}).get(recipe.model.text)
+        if pinned is None and self.options.models != "substitute":
+            raise ConfigError(f"{self.options.lock_file} is stale for {variant.id}: it pins no commit for "
+                              f"{recipe.model.text}; run mopt lock --select '{variant.id}'")
+        return pinned
 
     def _lock_files(self, variant: Variant, render_dir: Path, base_id: str) -> dict[str, str]:
         """lock/ in the base and runtime contexts: empty unless --locked (then the pinned sets)."""

@@ -5,6 +5,7 @@ Per runtime (one entry per distinct Dockerfile.base + Dockerfile.runtime, the "l
   python    every installed distribution as `name==version --hash=sha256:...`, the hashes of the
             exact wheels pip would fetch (the wheelhouse's for the local torch)
   debian    every installed Debian package as name=version
+Per hf:// model (keyed by the recipe's source): the commit its revision named and each file's sha256.
 `mopt build --locked` installs with `pip install --require-hashes` from the lock and apt
 `name=version`, and fails clearly when a variant's lock key is not in the lock (stale lock).
 """
@@ -92,10 +93,24 @@ def lock_runtime(docker: DockerCli, runtime_image: str, wheelhouse: list[Path], 
     return {"python": python["python"], "debian": sorted(debian)}
 
 
-def write_lock(path: Path, entries: dict, previous: dict | None) -> None:
+def write_lock(path: Path, entries: dict, previous: dict | None, models: dict | None = None) -> None:
     runtimes = dict((previous or {}).get("runtimes", {}))
     runtimes.update(entries)
-    path.write_text(dump_json({"schema": 1, "runtimes": runtimes}))
+    pinned = dict((previous or {}).get("models", {}))
+    pinned.update(models or {})
+    data = {"schema": 1, "runtimes": runtimes} | ({"models": pinned} if pinned else {})
+    path.write_text(dump_json(data))
+
+
+def lock_model(recipe, cache: Path, log: Log) -> tuple[str, dict] | None:
+    """An hf:// model's pin: (recipe source, {repo, revision, sha, files: path -> sha256}), fetched or cached.
+    None for the other sources (local: and package: are digested into the record, generate: is code)."""
+    from .hub import HubSettings, fetch
+
+    if recipe.model.kind != "hf":
+        return None
+    snapshot = fetch(recipe.model.ref, cache, HubSettings.from_env(), log)
+    return recipe.model.text, snapshot.lock_entry()
 
 
 def requirements_text(entry: dict) -> str:
@@ -111,10 +126,15 @@ def make_lock(matrix, variants, options, path: Path, log: Log = print) -> dict:
     state = options.state
     wheels = [p for d in options.find_links for p in sorted(d.iterdir()) if p.suffix == ".whl"]
     entries: dict = {}
+    models: dict = {}
     for variant in variants:
         record = state.read_record(variant.image, variant.tag)
         if record is None:
             raise BuildError(f"{variant.id} is not built; nothing to lock")
+        if not record.model.substituted:  # a substitute stands in for a model this lock cannot pin
+            pin = lock_model(matrix.image(variant.image).recipe, state.models, log)
+            if pin is not None:
+                models[pin[0]] = pin[1]
         key = lock_key(state.render_dir(variant.image, variant.tag))
         if key in entries:
             entries[key]["variants"].append(variant.id)
@@ -131,5 +151,5 @@ def make_lock(matrix, variants, options, path: Path, log: Log = print) -> dict:
         log(f"locking {variant.id} (runtime {runtime.image_id[:19]})")
         entries[key] = {"variants": [variant.id], "base": base,
                         **lock_runtime(docker, runtime.image_id, wheels, options.ca_bundle)}
-    write_lock(path, entries, read_lock(path) if path.is_file() else None)
+    write_lock(path, entries, read_lock(path) if path.is_file() else None, models)
     return entries

@@ -14,7 +14,7 @@ if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 .venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib 10 | tail -n 3 \
     || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
 rc=0
-.venv/bin/python -m pytest -p no:cacheprovider "$@" tests || rc=$?
+.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@" tests || rc=$?
 # The mutation check on a sample of the core's mutants, drawn anew for each commit (the full run and its
 # score: docs/testing.md). Only on the plain test command: extra pytest arguments mean a partial run.
 sample="${MOPT_MUTATION_SAMPLE:-300}"

@@ -140,6 +140,17 @@ def test_write_lock_without_previous_runtimes(tmp_path, previous):
     assert read_lock(path) == {"schema": 1, "runtimes": {"4" * 64: ENTRY}}
 
 
+def test_write_lock_keeps_and_merges_model_pins(tmp_path):
+    path = tmp_path / "mopt.lock.json"
+    pin = {"repo": "org/m", "revision": "main", "sha": "a" * 40, "files": {"config.json": "c" * 64}}
+    write_lock(path, {"4" * 64: ENTRY}, None, {"hf://org/m@main": pin})
+    assert read_lock(path)["models"] == {"hf://org/m@main": pin}
+    write_lock(path, {"5" * 64: ENTRY}, read_lock(path))  # a later lock of another runtime keeps the pin
+    other = dict(pin, repo="org/n")
+    write_lock(path, {}, read_lock(path), {"hf://org/n@v1": other})
+    assert read_lock(path)["models"] == {"hf://org/m@main": pin, "hf://org/n@v1": other}
+
+
 # --------------------------------------------------------------------------- requirements_text
 @pytest.mark.parametrize("python, text", [
     (ENTRY["python"], f"numpy==2.1.0 --hash=sha256:{'a' * 64}\ntorch==2.13.0 --hash=sha256:{'b' * 64}\n"),
