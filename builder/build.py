@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import base as base_module
-from . import hub
+from . import hubs
 from .dockerclient import DOCKER_ROOT, DockerCli, docker_free_gib, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
 from .hashing import sha256_text, tree_digest
-from .hub import HubSettings
 from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
-from .models import LocalModel, choose, image_tags, materialise, model_labels
+from .models import HUB_KINDS, LocalModel, choose, image_tags, materialise, model_labels
 from .plan import Variant
 from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, render_variant
 from .state import ModelRecord, StageRecord, StateDir, VariantRecord
@@ -334,13 +333,15 @@ class Builder:
             compiler = self._toolchain(variant, render_dir, runtime, keys["toolchain"], lock_files, lock_digest)
             stages.append(compiler)
 
-        settings = HubSettings.from_env()  # its token is used here only, never passed to docker
+        source = entry.recipe.model
+        # A hub's client: its token is used here only, never passed to docker.
+        client = hubs.hub_for(source.kind) if source.kind in HUB_KINDS else None
         pinned = self._pinned_model(variant, entry.recipe)
-        # auto: the real model when the Hub answers or the cache has it; else the recipe's substitute.
+        # auto: the real model when its hub answers or the cache has it; else the recipe's substitute.
         choice = choose(entry.recipe, self.options.models,
-                        lambda: hub.available(entry.recipe.model.ref, self.state.models, settings, pinned))
+                        lambda: client is not None and hubs.available(client, source.ref, self.state.models, pinned))
         model = materialise(entry.recipe, choice, self.state.models, lambda line: self.log("  " + line),
-                            generate=self._generate_model(variant, runtime), hub_settings=settings,
+                            generate=self._generate_model(variant, runtime), hub=client,
                             pinned=pinned if not choice.substituted else None)
         compiled = self._compile(variant, rendered, render_dir, compiler, model)
         stages.append(compiled)
@@ -405,8 +406,8 @@ class Builder:
         return self._stage(variant, "toolchain", key, build)
 
     def _pinned_model(self, variant: Variant, recipe) -> dict | None:
-        """--locked with an hf:// model: the lock's commit and file hashes for it (a stale lock is an error)."""
-        if self.options.lock_file is None or recipe.model.kind != "hf":
+        """--locked with a hub's model: the lock's commit and file hashes for it (a stale lock is an error)."""
+        if self.options.lock_file is None or recipe.model.kind not in HUB_KINDS:
             return None
         pinned = read_lock(self.options.lock_file).get("models", {}).get(recipe.model.text)
         if pinned is None and self.options.models != "substitute":

@@ -34,17 +34,23 @@ def _load(matrix_path: str):
 
 
 def _model_choices(matrix, variants, policy: str) -> dict:
-    """variant id -> the ModelChoice a build under this --models policy makes (the Hub is asked once)."""
-    from functools import cache
+    """variant id -> the ModelChoice a build under this --models policy makes (each hub is asked once)."""
+    from . import hubs
+    from .models import choose
 
-    from .models import choose, hub_reachable
+    answered: dict[str, bool] = {}
 
-    hub = cache(hub_reachable)
+    def reachable(kind: str) -> bool:
+        if kind not in answered:
+            answered[kind] = hubs.reachable(hubs.hub_for(kind).settings)
+        return answered[kind]
+
     choices = {}
     for v in variants:
+        recipe = matrix.image(v.image).recipe
         try:
-            choices[v.id] = choose(matrix.image(v.image).recipe, policy, hub)
-        except MoptError as exc:  # e.g. the Hub is out of reach and the recipe has no substitute
+            choices[v.id] = choose(recipe, policy, lambda kind=recipe.model.kind: reachable(kind))
+        except MoptError as exc:  # e.g. the hub is out of reach and the recipe has no substitute
             raise type(exc)(f"{v.id}: {exc.message}") from None
     return choices
 

@@ -5,7 +5,7 @@ Per runtime (one entry per distinct Dockerfile.base + Dockerfile.runtime, the "l
   python    every installed distribution as `name==version --hash=sha256:...`, the hashes of the
             exact wheels pip would fetch (the wheelhouse's for the local torch)
   debian    every installed Debian package as name=version
-Per hf:// model (keyed by the recipe's source): the commit its revision named and each file's sha256.
+Per hf:// or modelscope:// model (keyed by the recipe's source): the commit its revision named and each file's sha256.
 `mopt build --locked` installs with `pip install --require-hashes` from the lock and apt
 `name=version`, and fails clearly when a variant's lock key is not in the lock (stale lock).
 """
@@ -103,13 +103,14 @@ def write_lock(path: Path, entries: dict, previous: dict | None, models: dict | 
 
 
 def lock_model(recipe, cache: Path, log: Log) -> tuple[str, dict] | None:
-    """An hf:// model's pin: (recipe source, {repo, revision, sha, files: path -> sha256}), fetched or cached.
+    """A hub model's pin: (recipe source, {repo, revision, sha, files: path -> sha256}), fetched or cached.
     None for the other sources (local: and package: are digested into the record, generate: is code)."""
-    from .hub import HubSettings, fetch
+    from .hubs import fetch, hub_for
+    from .models import HUB_KINDS
 
-    if recipe.model.kind != "hf":
+    if recipe.model.kind not in HUB_KINDS:
         return None
-    snapshot = fetch(recipe.model.ref, cache, HubSettings.from_env(), log)
+    snapshot = fetch(hub_for(recipe.model.kind), recipe.model.ref, cache, log)
     return recipe.model.text, snapshot.lock_entry()
 
 

@@ -1,6 +1,7 @@
 """Materialise a recipe's model source into a local directory and digest it.
 
-hf://org/name@rev   Hugging Face Hub or the HF_ENDPOINT mirror, resolved to a commit (builder/hub.py);
+hf://org/name@rev   Hugging Face Hub or the HF_ENDPOINT mirror, resolved to a commit (builder/hubs/);
+modelscope://org/name@rev   ModelScope, the same way;
                     where it is out of reach and not cached, --models auto uses the recipe's substitute,
                     under its own tags and labels (image_tags, model_labels)
 local:PATH          a directory, relative to the recipe file
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hub
+from . import hubs
 from .errors import BuildError, ConfigError
 from .hashing import tree_digest
 from .recipe import ModelSource, Recipe
@@ -79,11 +80,14 @@ def model_labels(model: LocalModel, description: str) -> dict[str, str]:
     return labels
 
 
+HUB_KINDS = ("hf", "modelscope")
+
+
 def choose(recipe: Recipe, policy: str, hub: Callable[[], bool] | None = None) -> ModelChoice:
-    """policy: source | substitute | auto (the substitute for hf:// sources when the Hub is out of reach).
-    hub: the reachability check (default: hub_reachable)."""
-    hub = hub or hub_reachable
-    if policy == "substitute" or (policy == "auto" and recipe.model.kind == "hf" and not hub()):
+    """policy: source | substitute | auto (the substitute for a hub's model when it cannot be had).
+    hub: whether the model can be had (default: its hub answers)."""
+    hub = hub or (lambda: hubs.reachable(hubs.hub_for(recipe.model.kind).settings))
+    if policy == "substitute" or (policy == "auto" and recipe.model.kind in HUB_KINDS and not hub()):
         if recipe.substitute is None:
             if policy == "substitute":
                 raise ConfigError(f"{recipe.name}: --models substitute but the recipe has no model.substitute")
@@ -92,11 +96,6 @@ def choose(recipe: Recipe, policy: str, hub: Callable[[], bool] | None = None) -
         return ModelChoice(recipe.substitute, recipe.substitute_dimension or recipe.dimension, True,
                            recipe.substitute_why)
     return ModelChoice(recipe.model, recipe.dimension, False)
-
-
-def hub_reachable() -> bool:
-    """Whether the Hub (or the HF_ENDPOINT mirror) answers; False when offline mode is on."""
-    return hub.reachable(hub.HubSettings.from_env())
 
 
 def _package(ref: str, cache: Path, log: Log) -> Path:
@@ -126,9 +125,10 @@ def _package(ref: str, cache: Path, log: Log) -> Path:
 
 def materialise(recipe: Recipe, choice: ModelChoice, cache: Path, log: Log,
                 generate: Callable[[str, int, Path], None] | None = None,
-                hub_settings: hub.HubSettings | None = None, pinned: dict | None = None) -> LocalModel:
+                hub: hubs.Hub | None = None, pinned: dict | None = None) -> LocalModel:
     """generate(kind, seed, out_dir): runs the generator inside the runtime image (build supplies it).
-    pinned: mopt.lock.json's entry for an hf:// source (its commit and file hashes) on a locked build."""
+    hub: the client for a hub's source (default: from the environment). pinned: mopt.lock.json's entry
+    for it (its commit and file hashes) on a locked build."""
     cache.mkdir(parents=True, exist_ok=True)
     source = choice.source
     resolved = source.text
@@ -151,11 +151,11 @@ def materialise(recipe: Recipe, choice: ModelChoice, cache: Path, log: Log,
                 generate(name, seed, Path(tmp) / "out")
                 (Path(tmp) / "out").rename(path)
             (path / ".complete").touch()
-    else:  # hf: the commit the revision names, recorded as the source
-        snapshot = hub.fetch(source.ref, cache, hub_settings or hub.HubSettings.from_env(), log, pinned=pinned)
+    else:  # a hub's: the commit the revision names, recorded as the source
+        snapshot = hubs.fetch(hub or hubs.hub_for(source.kind), source.ref, cache, log, pinned=pinned)
         path, resolved = snapshot.path, snapshot.source
     digest = tree_digest(path)
     note = f"substitute for {recipe.model.text}: {choice.why}" if choice.substituted else ""
     return LocalModel(source=resolved, path=path, digest=digest, dimension=choice.dimension,
                       substituted=choice.substituted, note=note, declared=recipe.model.text,
-                      why=choice.why if choice.substituted else "", license=hub.card_license(path))
+                      why=choice.why if choice.substituted else "", license=hubs.card_license(path))

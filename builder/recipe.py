@@ -8,7 +8,7 @@ from pathlib import Path
 from .hashing import sha256_file
 from .yamlio import load_yaml, validate
 
-_SOURCE = re.compile(r"^(?P<kind>hf|local|package|generate):(?://)?(?P<ref>.+)$")
+_SOURCE = re.compile(r"^(?P<kind>hf|modelscope|local|package|generate):(?://)?(?P<ref>.+)$")
 
 
 @dataclass(frozen=True)
@@ -16,8 +16,8 @@ class ModelSource:
     """Where the model comes from. `text` is what the recipe says, verbatim."""
 
     text: str
-    kind: str  # hf | local | package | generate
-    ref: str   # hf: org/name@rev; local: path; package: dist==ver/path; generate: tiny-qwen3?seed=N
+    kind: str  # hf | modelscope | local | package | generate
+    ref: str   # hf, modelscope: org/name@rev; local: path; package: dist==ver/path; generate: tiny-qwen3?seed=N
 
     @classmethod
     def parse(cls, text: str) -> ModelSource:

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from builder import hub
+from builder import hubs
 from builder.errors import BuildError, ConfigError, EnvironmentProblem
+from builder.hubs.huggingface import HuggingFace
 from tests.hubstub import HubStub
 
 REPO_ID = "org/tiny-embed"
@@ -33,18 +34,18 @@ def stub(monkeypatch, tmp_path):
         yield running
 
 
-def settings(stub, token=None, offline=False) -> hub.HubSettings:
-    return hub.HubSettings(endpoint=stub.endpoint, token=token, offline=offline)
+def client(stub, token=None, offline=False) -> HuggingFace:
+    return HuggingFace(hubs.HubSettings(endpoint=stub.endpoint, token=token, offline=offline))
 
 
 def fetch(stub, tmp_path, ref=f"{REPO_ID}@main", token=None, pinned=None, offline=False):
-    return hub.fetch(ref, tmp_path / "models", settings(stub, token, offline), lambda line: None, pinned=pinned)
+    return hubs.fetch(client(stub, token, offline), ref, tmp_path / "models", lambda line: None, pinned=pinned)
 
 
 def test_a_branch_resolves_to_its_commit_and_only_what_engines_read_is_downloaded(stub, tmp_path):
     sha = stub.add_repo(REPO_ID, FILES)
     snapshot = fetch(stub, tmp_path)
-    assert snapshot.sha == sha and snapshot.source == f"hf://{REPO_ID}@{sha}" and snapshot.revision == "main"
+    assert snapshot.commit == sha and snapshot.source == f"hf://{REPO_ID}@{sha}" and snapshot.revision == "main"
     assert snapshot.path == tmp_path / "models" / "hf" / "org--tiny-embed" / sha
     assert sorted(snapshot.files) == WANTED
     assert snapshot.files == {name: sha256(FILES[name]) for name in WANTED}
@@ -54,7 +55,7 @@ def test_a_branch_resolves_to_its_commit_and_only_what_engines_read_is_downloade
         assert stub.resolve_count(skipped) == 0
     # No staging left, no library cache in the model dir (it would go into the image).
     assert not (snapshot.path / ".cache").exists() and not list(snapshot.path.parent.glob("*.partial"))
-    assert hub.card_license(snapshot.path) == "apache-2.0"
+    assert hubs.card_license(snapshot.path) == "apache-2.0"
     assert snapshot.lock_entry() == {"repo": REPO_ID, "revision": "main", "sha": sha,
                                      "files": {name: sha256(FILES[name]) for name in WANTED}}
 
@@ -63,22 +64,22 @@ def test_a_cached_commit_is_not_downloaded_again_and_a_moved_branch_is_a_new_com
     first = stub.add_repo(REPO_ID, FILES)
     fetch(stub, tmp_path)
     gets = stub.resolve_count("model.safetensors")
-    assert fetch(stub, tmp_path).sha == first and stub.resolve_count("model.safetensors") == gets
+    assert fetch(stub, tmp_path).commit == first and stub.resolve_count("model.safetensors") == gets
     second = stub.add_repo(REPO_ID, {**FILES, "config.json": b'{"model_type": "bert", "v": 2}'})
     moved = fetch(stub, tmp_path)
-    assert moved.sha == second != first and (moved.path / "config.json").read_bytes().endswith(b'"v": 2}')
+    assert moved.commit == second != first and (moved.path / "config.json").read_bytes().endswith(b'"v": 2}')
     assert (tmp_path / "models" / "hf" / "org--tiny-embed" / first / "config.json").is_file()  # kept
     # A commit sha asks nothing of the Hub once cached.
     before = len(stub.requests)
-    assert fetch(stub, tmp_path, ref=f"{REPO_ID}@{first}").sha == first and len(stub.requests) == before
+    assert fetch(stub, tmp_path, ref=f"{REPO_ID}@{first}").commit == first and len(stub.requests) == before
 
 
 def test_offline_uses_the_commit_the_branch_last_named(stub, tmp_path):
     sha = stub.add_repo(REPO_ID, FILES)
     fetch(stub, tmp_path)
     before = len(stub.requests)
-    assert fetch(stub, tmp_path, offline=True).sha == sha and len(stub.requests) == before
-    assert hub.available(f"{REPO_ID}@main", tmp_path / "models", settings(stub, offline=True))
+    assert fetch(stub, tmp_path, offline=True).commit == sha and len(stub.requests) == before
+    assert hubs.available(client(stub, offline=True), f"{REPO_ID}@main", tmp_path / "models")
 
 
 def test_a_gated_model_needs_its_token_and_the_token_goes_nowhere_else(stub, tmp_path):
@@ -90,7 +91,7 @@ def test_a_gated_model_needs_its_token_and_the_token_goes_nowhere_else(stub, tmp
     with pytest.raises(ConfigError, match="the token was refused"):
         fetch(stub, tmp_path, token="hf_wrong")
     logged: list[str] = []
-    snapshot = hub.fetch(f"{REPO_ID}@main", tmp_path / "models", settings(stub, token), logged.append)
+    snapshot = hubs.fetch(client(stub, token), f"{REPO_ID}@main", tmp_path / "models", logged.append)
     assert sorted(snapshot.files) == WANTED and all(auth for *_, auth in stub.requests[-3:])
     assert token not in " ".join(logged)
     for path in (tmp_path / "models").rglob("*"):
@@ -110,11 +111,11 @@ def test_unknown_models_and_revisions_are_one_clear_error(stub, tmp_path, ref, m
 
 
 def test_a_hub_that_does_not_answer_is_an_environment_problem(tmp_path):
-    offline_port = hub.HubSettings("http://127.0.0.1:9", None, False)
+    nobody = HuggingFace(hubs.HubSettings("http://127.0.0.1:9", None, False))
     with pytest.raises(EnvironmentProblem, match="cannot reach http://127.0.0.1:9") as err:
-        hub.fetch(f"{REPO_ID}@main", tmp_path, offline_port, print)
+        hubs.fetch(nobody, f"{REPO_ID}@main", tmp_path, print)
     assert err.value.exit_code == 7
-    assert not hub.reachable(offline_port, timeout=1)
+    assert not hubs.reachable(nobody.settings, timeout=1)
 
 
 def test_a_download_cut_short_keeps_what_finished_and_the_next_run_fetches_the_rest(stub, tmp_path):
@@ -146,7 +147,7 @@ def test_a_connection_cut_mid_file_is_resumed_with_a_range_request(stub, tmp_pat
 def test_a_file_that_does_not_match_the_hubs_hash_is_refused_and_removed(stub, tmp_path):
     sha = stub.add_repo(REPO_ID, FILES)
     stub.tamper(REPO_ID, sha, "model.safetensors", b"\0" * len(FILES["model.safetensors"]))
-    with pytest.raises(BuildError, match="model.safetensors has sha256 .* the Hub says"):
+    with pytest.raises(BuildError, match="model.safetensors has sha256 .* the Hugging Face Hub says"):
         fetch(stub, tmp_path)
     home = tmp_path / "models" / "hf" / "org--tiny-embed"
     assert not (home / sha).exists() and not (home / f"{sha}.partial").exists()
@@ -156,12 +157,12 @@ def test_the_lock_pins_the_commit_and_refuses_changed_files(stub, tmp_path):
     first = stub.add_repo(REPO_ID, FILES)
     pinned = fetch(stub, tmp_path).lock_entry()
     stub.add_repo(REPO_ID, {**FILES, "vocab.txt": b"[PAD]\n"})  # main moves on
-    assert fetch(stub, tmp_path, pinned=pinned).sha == first  # the locked build stays on the pinned commit
+    assert fetch(stub, tmp_path, pinned=pinned).commit == first  # the locked build stays on the pinned commit
     # A mirror serving other bytes for the pinned commit (a config.json, which the Hub lists no sha256 for).
     stub.tamper(REPO_ID, first, "config.json", b'{"model_type": "evil"}')
     other_cache = tmp_path / "elsewhere"
     with pytest.raises(ConfigError, match="config.json differs from the locked sha256"):
-        hub.fetch(f"{REPO_ID}@main", other_cache, settings(stub), print, pinned=pinned)
+        hubs.fetch(client(stub), f"{REPO_ID}@main", other_cache, print, pinned=pinned)
 
 
 def test_a_repo_without_config_is_not_a_model(stub, tmp_path):
@@ -173,5 +174,5 @@ def test_a_repo_without_config_is_not_a_model(stub, tmp_path):
 def test_the_manifest_is_what_was_hashed(stub, tmp_path):
     snapshot_sha = stub.add_repo(REPO_ID, FILES)
     snapshot = fetch(stub, tmp_path)
-    manifest = json.loads((snapshot.path / hub.MANIFEST).read_text())
-    assert manifest == snapshot.files and snapshot.sha == snapshot_sha
+    manifest = json.loads((snapshot.path / hubs.MANIFEST).read_text())
+    assert manifest == snapshot.files and snapshot.commit == snapshot_sha
