@@ -133,6 +133,9 @@ def fetch(hub: Hub, ref: str, cache: Path, log: Log, pinned: dict | None = None)
         commit = revision
     else:
         commit = _resolve(hub, repo, revision, home)
+    if not COMMIT.match(commit):  # it names a directory of the cache: nothing but 40 hex digits
+        raise ConfigError(f"{where}@{revision}: {commit[:60]!r} is not a commit id (40 hex digits); "
+                          f"{'fix mopt.lock.json' if pinned is not None else 'the hub or the cache is broken'}")
     target = home / commit
     if not (target / MANIFEST).is_file():
         if hub.settings.offline:

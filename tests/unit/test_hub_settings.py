@@ -139,3 +139,16 @@ def test_modelscope_settings_come_from_its_own_variables(clean_env):
     assert ModelScope.from_env().settings == hubs.HubSettings("http://127.0.0.1:8", "ms-token", False)
     clean_env.setenv("MOPT_OFFLINE", "1")
     assert ModelScope.from_env().settings.offline is True
+
+
+@pytest.mark.parametrize("commit", ["../../../etc", "A" * 40, "a" * 39, ""])
+def test_a_commit_that_is_not_40_hex_digits_never_names_a_directory(tmp_path, commit):
+    offline = HuggingFace(hubs.HubSettings("http://127.0.0.1:9", None, True))
+    pinned = {"repo": "org/model", "revision": "main", "sha": commit, "files": {}}
+    with pytest.raises(ConfigError, match="is not a commit id"):
+        hubs.fetch(offline, "org/model@main", tmp_path, print, pinned=pinned)
+    refs = tmp_path / "hf" / "org--model" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text(commit + "\n")  # a cache someone edited
+    with pytest.raises(ConfigError, match="is not a commit id"):
+        hubs.fetch(offline, "org/model@main", tmp_path, print)
