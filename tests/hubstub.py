@@ -15,7 +15,8 @@ and ``snapshot_download``/``hf_hub_download`` use:
 
 Errors use the Hub's ``X-Error-Code`` header (RepoNotFound, GatedRepo,
 RevisionNotFound, EntryNotFound), which huggingface_hub maps to its exception
-types.  No Xet headers are ever sent, so clients fall back to plain HTTP.
+types.  No Xet headers are ever sent, so clients fall back to plain HTTP.  The server plumbing
+(loopback server, request log, ``cut_after``, ``Range``) is tests/stubserver.py's.
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import socket
-import threading
-from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from tests.stubserver import LoopbackStub, StubHandler
 
 LFS_THRESHOLD = 1024 * 1024
 _DATE = "2024-01-01T00:00:00.000Z"
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 _API = re.compile(r"/api/models/(?P<repo>.+?)(?:/revision/(?P<rev>[^/]+))?")
 _TREE = re.compile(r"/api/models/(?P<repo>.+?)/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?")
 _RESOLVE = re.compile(r"/(?P<repo>.+?)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
@@ -70,34 +68,17 @@ class _Repo:
         return rev if rev in self.commits else self.refs.get(rev)
 
 
-class HubStub:
+class HubStub(LoopbackStub):
     """``with HubStub() as hub:`` serves repos added with ``hub.add_repo`` at ``hub.endpoint``.
 
     ``hub.requests`` lists every request as ``(method, path_with_query, range_header_or_None,
-    had_authorization)``; tokens themselves are never recorded.
+    had_authorization)``; tokens themselves are never recorded.  ``hub.cut_after(filename, ...)``
+    takes the file's path in its repo.
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        super().__init__(_Handler, name="hubstub")
         self._repos: dict[str, _Repo] = {}
-        self._cuts: dict[str, list[int]] = {}  # filename -> [nbytes, times left]
-        self._gets: Counter = Counter()
-        self._counter = 0
-        self.requests: list[tuple[str, str, str | None, bool]] = []
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.hub = self
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> HubStub:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hubstub", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
 
     def add_repo(
         self,
@@ -114,11 +95,7 @@ class HubStub:
         ``Authorization: Bearer <token>`` gets in; ``gated`` without ``token`` accepts any bearer token.
         """
         with self._lock:
-            self._counter += 1
-            h = hashlib.sha1(f"{repo_id}\0{self._counter}".encode())
-            for name in sorted(files):
-                h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-            sha = h.hexdigest()
+            sha = self._new_commit_id(repo_id, files)
             repo = self._repos.setdefault(repo_id, _Repo())
             repo.commits[sha] = {p: _Blob(p, bytes(d)) for p, d in files.items()}
             repo.refs[revision] = sha
@@ -131,52 +108,18 @@ class HubStub:
         with self._lock:
             self._repos[repo_id].commits[sha][path].data = bytes(data)
 
-    def cut_after(self, filename: str, nbytes: int, times: int = 1) -> None:
-        """Make the next ``times`` GETs of ``filename`` send only ``nbytes`` of the body, then hang up."""
-        with self._lock:
-            self._cuts[filename] = [nbytes, times]
-
     def resolve_count(self, filename: str) -> int:
         """Number of GET (not HEAD) requests that resolved ``filename`` (any repo, any revision)."""
         with self._lock:
-            return self._gets[filename]
-
-    def _count_get(self, filename: str) -> int | None:
-        """Record a GET of ``filename``; return how many body bytes to send before cutting, or None."""
-        with self._lock:
-            self._gets[filename] += 1
-            cut = self._cuts.get(filename)
-            if not cut or cut[1] <= 0:
-                return None
-            cut[1] -= 1
-            return cut[0]
+            return self._bodies[filename]
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    hub: HubStub
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, like the Hub; every response carries a Content-Length
-
-    def log_message(self, *args):  # keep test output quiet
-        pass
-
+class _Handler(StubHandler):
     def do_HEAD(self):
         self._handle(head=True)
 
     def do_GET(self):
         self._handle(head=False)
-
-    def _send(self, status, body=b"", headers=(), head=False, length=None):
-        self.send_response(status)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body) if length is None else length))
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
 
     def _json(self, obj, head):
         self._send(200, json.dumps(obj).encode(), [("Content-Type", "application/json")], head)
@@ -186,11 +129,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps({"error": message}).encode(), [*headers, *extra], head)
 
     def _handle(self, head):
-        hub: HubStub = self.server.hub
+        hub: HubStub = self.server.stub
         url = urlsplit(self.path)
         auth = self.headers.get("Authorization")
-        with hub._lock:
-            hub.requests.append((self.command, self.path, self.headers.get("Range"), auth is not None))
+        self.record(auth is not None)
         kind, m = next(((k, m) for k, rx in _ROUTES if (m := rx.fullmatch(url.path))), (None, None))
         if m is None:
             return self._error(404, "NotFound", "Unknown endpoint", head)
@@ -212,7 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
         blob = files.get(unquote(m["file"]))
         if blob is None:
             return self._error(404, "EntryNotFound", "Entry not found", head, [("X-Repo-Commit", sha)])
-        self._file(hub, blob, sha, head)
+        self._file(blob, sha, head)
 
     def _tree(self, files, prefix, recursive, head):
         base = prefix + "/" if prefix else ""
@@ -228,44 +170,14 @@ class _Handler(BaseHTTPRequestHandler):
         folders = [{"type": "directory", "oid": _git_oid(d.encode()), "size": 0, "path": d} for d in sorted(dirs)]
         self._json(folders + entries, head)
 
-    def _file(self, hub: HubStub, blob: _Blob, sha: str, head: bool):
-        size = len(blob.data)
+    def _file(self, blob: _Blob, sha: str, head: bool):
         headers = [("X-Repo-Commit", sha), ("ETag", f'"{blob.etag}"'), ("Accept-Ranges", "bytes")]
         if blob.lfs:
-            headers += [("X-Linked-Etag", f'"{blob.sha256}"'), ("X-Linked-Size", str(size))]
-        status, start, end = 200, 0, size - 1
-        if self.headers.get("Range"):
-            span = _parse_range(self.headers["Range"], size)
-            if span is None:
-                return self._send(416, b"", [("X-Repo-Commit", sha), ("Content-Range", f"bytes */{size}")], head)
-            status, (start, end) = 206, span
-            headers.append(("Content-Range", f"bytes {start}-{end}/{size}"))
-        body = blob.data[start : end + 1]
-        if head:
-            return self._send(status, b"", headers, head=True, length=len(body))
-        cut = hub._count_get(blob.path)
-        if cut is None:
-            return self._send(status, body, headers)
-        # Announce the full length, send a prefix, then hang up (FIN): the client sees a truncated body.
-        self._send(status, body[:cut], headers, length=len(body))
-        self.wfile.flush()
-        self.close_connection = True
-        self.connection.shutdown(socket.SHUT_RDWR)
+            headers += [("X-Linked-Etag", f'"{blob.sha256}"'), ("X-Linked-Size", str(len(blob.data)))]
+        self.send_file(blob.path, blob.data, headers, head=head, refusal_headers=[("X-Repo-Commit", sha)])
 
 
 _ROUTES = (("tree", _TREE), ("info", _API), ("resolve", _RESOLVE))
-
-
-def _parse_range(header: str, size: int) -> tuple[int, int] | None:
-    """(first, last) byte of a single ``bytes=`` range, or None when unsatisfiable."""
-    m = _RANGE.fullmatch(header.strip())
-    if not m or not (m[1] or m[2]):
-        return None
-    if m[1]:
-        start, end = int(m[1]), min(int(m[2]), size - 1) if m[2] else size - 1
-    else:
-        start, end = max(size - int(m[2]), 0), size - 1
-    return (start, end) if start <= end and start < size else None
 
 
 def _tree_entry(blob: _Blob) -> dict:

@@ -25,7 +25,8 @@ SDK's snapshot download and revision look-ups use, answering in ModelScope's env
 An unknown model, and a private repo (``add_repo(..., token=...)``) asked without that token
 as ``m_session_id`` cookie or ``Authorization: Bearer`` header, is answered like ModelScope
 answers a model it will not show: HTTP 404 (``MsStub(private_status=...)`` changes the status
-used for private repos).  Every other path is a 404 too.
+used for private repos).  Every other path is a 404 too.  The server plumbing (loopback server,
+request log, ``cut_after``, ``Range``) is tests/stubserver.py's.
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import socket
-import threading
 import time
 import uuid
 from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+from tests.stubserver import LoopbackStub, StubHandler
+
 _ROUTE = re.compile(r"/api/v1/models/(?P<repo>[^/]+/[^/]+)(?:/(?P<kind>repo/files|repo|commits|revisions))?")
 _TAG = re.compile(r"v?\d+(\.\d+)*([-.+]\w+)*")
 _NO_MODEL = (10010205001, "模型不存在")  # hub code for an unknown model; the SDK reads "Model does not exist."
@@ -79,35 +78,19 @@ class _Repo:
         return sha
 
 
-class MsStub:
+class MsStub(LoopbackStub):
     """``with MsStub() as ms:`` serves repos added with ``ms.add_repo`` at ``ms.endpoint``.
 
     ``ms.requests`` lists every request as ``(method, path_with_query, range_header_or_None,
     had_auth)``, where ``had_auth`` says an ``Authorization`` header or ``m_session_id`` cookie
-    came along; token values are never recorded.
+    came along; token values are never recorded.  ``ms.cut_after(filename, ...)`` takes the
+    file's ``FilePath``.
     """
 
     def __init__(self, *, private_status: int = 404):
+        super().__init__(_Handler, name="msstub")
         self.private_status = private_status
-        self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
-        self._cuts: dict[str, list[int]] = {}  # FilePath -> [nbytes, times left]
-        self._counter = 0
-        self.requests: list[tuple[str, str, str | None, bool]] = []
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.stub = self
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> MsStub:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="msstub", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
 
     def add_repo(
         self, model_id: str, files: dict[str, bytes], *, revision: str = "master", token: str | None = None
@@ -117,11 +100,7 @@ class MsStub:
         id.  ``token`` sets the repo's access rule (the latest call wins): None is public, else
         private and only that token gets in."""
         with self._lock:
-            self._counter += 1
-            h = hashlib.sha1(f"{model_id}\0{revision}\0{self._counter}".encode())
-            for name in sorted(files):
-                h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
-            sha = h.hexdigest()
+            sha = self._new_commit_id(f"{model_id}\0{revision}", files)
             repo = self._repos.setdefault(model_id, _Repo())
             repo.commits[sha] = {p: bytes(d) for p, d in files.items()}
             repo.parent[sha] = repo.refs.get(revision)
@@ -130,40 +109,8 @@ class MsStub:
             repo.token = token
             return sha
 
-    def cut_after(self, filename: str, nbytes: int, times: int = 1) -> None:
-        """Make the next ``times`` GETs of ``filename`` (its ``FilePath``, any repo) announce the
-        full ``Content-Length`` but send only ``nbytes`` of the body, then hang up."""
-        with self._lock:
-            self._cuts[filename] = [nbytes, times]
 
-    def _take_cut(self, filename: str) -> int | None:
-        with self._lock:
-            cut = self._cuts.get(filename)
-            if not cut or cut[1] <= 0:
-                return None
-            cut[1] -= 1
-            return cut[0]
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    stub: MsStub
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive; every response carries a Content-Length
-
-    def log_message(self, *args):  # keep test output quiet
-        pass
-
-    def _send(self, status, body=b"", headers=(), length=None):
-        self.send_response(status)
-        for k, v in headers:
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body) if length is None else length))
-        self.end_headers()
-        self.wfile.write(body)
-
+class _Handler(StubHandler):
     def _json(self, status, code, message, data, extra=None):
         body = {"Code": code, "Message": message, "RequestId": str(uuid.uuid4()), "Success": status == 200}
         if data is not None or status == 200:
@@ -179,8 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
         url, cookie = urlsplit(self.path), SimpleCookie(self.headers.get("Cookie", ""))
         session = cookie["m_session_id"].value if "m_session_id" in cookie else None
         bearer = (self.headers.get("Authorization") or "").removeprefix("Bearer ") or None
-        with stub._lock:
-            stub.requests.append((self.command, self.path, self.headers.get("Range"), bool(session or bearer)))
+        self.record(bool(session or bearer))
         m, q = _ROUTE.fullmatch(url.path), {k: v[0] for k, v in parse_qs(url.query).items()}
         repo = stub._repos.get(m["repo"]) if m else None
         if repo is None or (repo.token is not None and repo.token not in (session, bearer)):
@@ -211,39 +157,8 @@ class _Handler(BaseHTTPRequestHandler):
         data = None if sha is None else repo.commits[sha].get(q.get("FilePath", ""))
         if data is None:
             return self._json(404, *_NO_FILE, None)
-        self._file(stub, q["FilePath"], data)
-
-    def _file(self, stub: MsStub, path: str, data: bytes):
-        size, status = len(data), 200
         headers = [("Content-Type", "application/octet-stream"), ("Accept-Ranges", "bytes")]
-        start, end = 0, size - 1
-        if self.headers.get("Range"):
-            span = _parse_range(self.headers["Range"], size)
-            if span is None:
-                return self._send(416, b"", [("Content-Range", f"bytes */{size}")])
-            status, (start, end) = 206, span
-            headers.append(("Content-Range", f"bytes {start}-{end}/{size}"))
-        body = data[start : end + 1]
-        cut = stub._take_cut(path)
-        if cut is None:
-            return self._send(status, body, headers)
-        # Announce the full length, send a prefix, then hang up (FIN): the client sees a short body.
-        self._send(status, body[:cut], headers, length=len(body))
-        self.wfile.flush()
-        self.close_connection = True
-        self.connection.shutdown(socket.SHUT_RDWR)
-
-
-def _parse_range(header: str, size: int) -> tuple[int, int] | None:
-    """(first, last) byte of a single ``bytes=`` range, or None when unsatisfiable."""
-    m = _RANGE.fullmatch(header.strip())
-    if not m or not (m[1] or m[2]):
-        return None
-    if m[1]:
-        start, end = int(m[1]), min(int(m[2]), size - 1) if m[2] else size - 1
-    else:
-        start, end = max(size - int(m[2]), 0), size - 1
-    return (start, end) if start <= end and start < size else None
+        self.send_file(q["FilePath"], data, headers)
 
 
 def _commit(sha: str, when: int) -> dict:
