@@ -25,7 +25,7 @@ from .errors import BuildError, ConfigError, EnvironmentProblem
 from .hashing import sha256_text, tree_digest
 from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
-from .models import HUB_KINDS, LocalModel, choose, image_tags, materialise, model_labels
+from .models import HUB_KINDS, LocalModel, ModelChoice, choose, image_tags, materialise, model_labels
 from .plan import Variant
 from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, render_variant
 from .state import ModelRecord, StageRecord, StateDir, VariantRecord
@@ -333,16 +333,9 @@ class Builder:
             compiler = self._toolchain(variant, render_dir, runtime, keys["toolchain"], lock_files, lock_digest)
             stages.append(compiler)
 
-        source = entry.recipe.model
-        # A hub's client: its token is used here only, never passed to docker.
-        client = hubs.hub_for(source.kind) if source.kind in HUB_KINDS else None
-        pinned = self._pinned_model(variant, entry.recipe)
-        # auto: the real model when its hub answers or the cache has it; else the recipe's substitute.
-        choice = choose(entry.recipe, self.options.models,
-                        lambda: client is not None and hubs.available(client, source.ref, self.state.models, pinned))
+        client, choice, pinned = self._choose_model(variant, entry.recipe)
         model = materialise(entry.recipe, choice, self.state.models, lambda line: self.log("  " + line),
-                            generate=self._generate_model(variant, runtime), hub=client,
-                            pinned=pinned if not choice.substituted else None)
+                            generate=self._generate_model(variant, runtime), hub=client, pinned=pinned)
         compiled = self._compile(variant, rendered, render_dir, compiler, model)
         stages.append(compiled)
         engine_dir = Path(compiled.image)
@@ -405,15 +398,23 @@ class Builder:
 
         return self._stage(variant, "toolchain", key, build)
 
-    def _pinned_model(self, variant: Variant, recipe) -> dict | None:
-        """--locked with a hub's model: the lock's commit and file hashes for it (a stale lock is an error)."""
-        if self.options.lock_file is None or recipe.model.kind not in HUB_KINDS:
-            return None
-        pinned = read_lock(self.options.lock_file).get("models", {}).get(recipe.model.text)
-        if pinned is None and self.options.models != "substitute":
+    def _choose_model(self, variant: Variant, recipe) -> tuple[hubs.Hub | None, ModelChoice, dict | None]:
+        """(the hub client for the recipe's source, the model to build, the lock's pin for it). auto takes the
+        real model when its hub answers or the cache has it, else the recipe's substitute. On a locked build
+        a hub's model must be pinned in the lock (the commit and every file's sha256)."""
+        source = recipe.model
+        client = hubs.hub_for(source.kind) if source.kind in HUB_KINDS else None  # its token stays on the host
+        pinned = None
+        if client is not None and self.options.lock_file is not None:
+            pinned = read_lock(self.options.lock_file).get("models", {}).get(source.text)
+        choice = choose(recipe, self.options.models,
+                        lambda: client is not None and hubs.available(client, source.ref, self.state.models, pinned))
+        if choice.substituted:
+            return client, choice, None
+        if client is not None and self.options.lock_file is not None and pinned is None:
             raise ConfigError(f"{self.options.lock_file} is stale for {variant.id}: it pins no commit for "
-                              f"{recipe.model.text}; run mopt lock --select '{variant.id}'")
-        return pinned
+                              f"{source.text}; run mopt lock --select '{variant.id}'")
+        return client, choice, pinned
 
     def _lock_files(self, variant: Variant, render_dir: Path, base_id: str) -> dict[str, str]:
         """lock/ in the base and runtime contexts: empty unless --locked (then the pinned sets)."""

@@ -176,3 +176,50 @@ def test_the_manifest_is_what_was_hashed(stub, tmp_path):
     snapshot = fetch(stub, tmp_path)
     manifest = json.loads((snapshot.path / hubs.MANIFEST).read_text())
     assert manifest == snapshot.files and snapshot.commit == snapshot_sha
+
+
+# --------------------------------------------------------------------------- the build's choice of model
+def _builder(tmp_path, lock: dict | None, models: str = "auto"):
+    from builder.build import Builder, BuildOptions
+    from builder.matrix import load_matrix
+    from builder.plan import make_plan
+    from tests.conftest import REPO
+
+    lock_file = None
+    if lock is not None:
+        lock_file = tmp_path / "mopt.lock.json"
+        lock_file.write_text(json.dumps({"schema": 1, "runtimes": {}, **lock}))
+    matrix = load_matrix(REPO / "matrix.yaml")
+    variant = make_plan(matrix, ("qwen3-embed:cpu",)).variants[0]
+    options = BuildOptions(state_dir=tmp_path / "state", templates=REPO / "templates", models=models,
+                           lock_file=lock_file)
+    builder = Builder(matrix, (variant,), options, log=lambda line: None, docker=object())
+    recipe = matrix.image("qwen3-embed").recipe
+    return builder, variant, recipe
+
+
+def test_the_build_takes_the_real_model_when_its_hub_answers_and_the_substitute_when_not(stub, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", stub.endpoint)
+    builder, variant, recipe = _builder(tmp_path, None)
+    client, choice, pinned = builder._choose_model(variant, recipe)
+    assert not choice.substituted and choice.source.text == recipe.model.text and pinned is None
+    assert client.settings.endpoint == stub.endpoint
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nobody there, nothing cached
+    _, choice, _ = builder._choose_model(variant, recipe)
+    assert choice.substituted and choice.source.text == "generate:tiny-qwen3?seed=0"
+
+
+def test_a_locked_build_needs_the_hub_model_pinned(stub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", stub.endpoint)
+    builder, variant, recipe = _builder(tmp_path, {})
+    with pytest.raises(ConfigError, match="is stale for qwen3-embed:cpu: it pins no commit for hf://Qwen/"):
+        builder._choose_model(variant, recipe)
+    pin = {"repo": "Qwen/Qwen3-Embedding-0.6B", "revision": "main", "sha": "c" * 40, "files": {}}
+    builder, variant, recipe = _builder(tmp_path, {"models": {recipe.model.text: pin}})
+    assert builder._choose_model(variant, recipe)[2] == pin
+    # Where the real model cannot be had, the substitute needs no pin (and gets none).
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    builder, variant, recipe = _builder(tmp_path, {})
+    _, choice, pinned = builder._choose_model(variant, recipe)
+    assert choice.substituted and pinned is None
