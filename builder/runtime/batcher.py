@@ -38,10 +38,10 @@ class Dropped(Exception):
 
 class _Job:
     __slots__ = ("seqs", "fut", "deadline", "client_gone", "order", "next", "done", "results", "tokens",
-                 "skipped", "seq_no")
+                 "skipped")
 
-    def __init__(self, seqs, fut, deadline, client_gone, seq_no):
-        self.seqs, self.fut, self.deadline, self.client_gone, self.seq_no = seqs, fut, deadline, client_gone, seq_no
+    def __init__(self, seqs, fut, deadline, client_gone):
+        self.seqs, self.fut, self.deadline, self.client_gone = seqs, fut, deadline, client_gone
         # Chunks in length order: inputs of similar length share an engine call, so padding stays small.
         self.order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         self.next = 0  # inputs of self.order already sent to the engine
@@ -96,7 +96,6 @@ class Batcher:
         self.max_queue_tokens = max_queue_tokens
         self._jobs: list[_Job] = []  # jobs with inputs not yet sent to the engine
         self._queued_tokens = 0  # tokens of those inputs
-        self._seq = 0
         self._rate = 0.0  # tokens per second of recent engine calls, for Retry-After
         self._cond = threading.Condition()
         self._stop = False
@@ -110,12 +109,11 @@ class Batcher:
         queue holds max_queue_tokens already (an empty queue takes any request)."""
         fut: Future = Future()
         with self._cond:
-            job = _Job(seqs, fut, deadline, client_gone, self._seq)
+            job = _Job(seqs, fut, deadline, client_gone)
             if (self.max_queue_tokens is not None and self._jobs
                     and self._queued_tokens + job.tokens > self.max_queue_tokens):
                 raise QueueFull(self._retry_after())
-            self._seq += 1
-            self._jobs.append(job)
+            self._jobs.append(job)  # in arrival order: the sorts below are stable, so ties stay first-come
             self._queued_tokens += job.tokens
             self._report()
             self._cond.notify()
@@ -151,7 +149,8 @@ class Batcher:
     def _take(self) -> list[tuple[_Job, list[int]]]:
         """Pick up to max_batch inputs, the jobs with the least work left first; caller holds the lock."""
         # Jobs passed over MAX_SKIPS times first, oldest first; then the least work left.
-        ranked = sorted(self._jobs, key=lambda j: (0, 0, j.seq_no) if j.skipped >= MAX_SKIPS else (1, j.left, j.seq_no))
+        starved = [j for j in self._jobs if j.skipped >= MAX_SKIPS]
+        ranked = starved + sorted((j for j in self._jobs if j.skipped < MAX_SKIPS), key=lambda j: j.left)
         batch, room = [], self.max_batch
         for job in ranked:
             if room == 0:
@@ -169,38 +168,31 @@ class Batcher:
         return batch
 
     def _gather(self) -> list[tuple[_Job, list[int]]]:
+        """The next batch; [] only once closed with nothing left to do."""
         with self._cond:
-            self._drop_dead(time.monotonic())
-            if not self._jobs:
-                if self._stop:
-                    return []
-                self._cond.wait()  # submit() and close() notify
+            while True:
                 self._drop_dead(time.monotonic())
-                if not self._jobs:
-                    return []
-            # Wait up to max_wait for a full batch; not when closing, nor for the rest of a request
-            # already under way (its chunks go back to back).
-            until = time.monotonic() + self.max_wait
-            while (not self._stop and sum(j.left for j in self._jobs) < self.max_batch
-                   and not any(j.next for j in self._jobs)):
-                left = until - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.1))
-                self._drop_dead(time.monotonic())
-            if not self._jobs:
-                return []
-            return self._take()
+                while not self._jobs:
+                    if self._stop:
+                        return []
+                    self._cond.wait()  # submit() and close() notify
+                    self._drop_dead(time.monotonic())
+                # Wait up to max_wait for a full batch; not when closing, nor for the rest of a request
+                # already under way (its chunks go back to back).
+                until = time.monotonic() + self.max_wait
+                while (not self._stop and sum(j.left for j in self._jobs) < self.max_batch
+                       and not any(j.next for j in self._jobs)):
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                    self._drop_dead(time.monotonic())
+                if self._jobs:  # else every job left while gathering: start over
+                    return self._take()
 
     def _loop(self) -> None:
-        # On close, finish what is queued so no request waits forever.
-        while True:
-            batch = self._gather()
-            if not batch:
-                with self._cond:
-                    if self._stop and not self._jobs:
-                        return
-                continue
+        # On close, finish what is queued so no request waits forever: _gather returns [] only then.
+        while batch := self._gather():
             self._run(batch)
 
     def _run(self, batch: list[tuple[_Job, list[int]]]) -> None:

@@ -238,6 +238,80 @@ def test_a_large_request_is_not_starved_by_a_stream_of_small_ones(make):
     assert engine.calls.index([[501]]) == 1 + MAX_SKIPS
 
 
+def test_a_request_passed_over_from_its_arrival_goes_first_after_max_skips(make):
+    from builder.runtime.batcher import MAX_SKIPS
+
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=1)
+    busy(batcher, engine, 1)
+    large = batcher.submit([[500], [501]])  # never picked while one-input requests wait
+    smalls = [batcher.submit([[i]]) for i in range(MAX_SKIPS + 4)]
+    engine.release.set()
+    assert large.result(WAIT) == [vec([500]), vec([501])]
+    for fut in smalls:
+        fut.result(WAIT)
+    # Passed over in MAX_SKIPS batches, then first (the one-input requests passed over as often then go
+    # first too, oldest first, before the rest of it).
+    assert engine.calls.index([[500]]) == 1 + MAX_SKIPS and engine.calls[-1] == [[501]]
+
+
+def test_requests_with_the_same_work_left_keep_their_arrival_order(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=1)
+    busy(batcher, engine, 1)
+    futures = [batcher.submit([[i], [i + 50]]) for i in range(4)]
+    engine.release.set()
+    for i, fut in enumerate(futures):
+        assert fut.result(WAIT) == [vec([i]), vec([i + 50])]
+    # Each request's rest goes next (least work left); among equals, first come first served.
+    assert engine.calls[1:] == [call for i in range(4) for call in ([[i]], [[i + 50]])]
+
+
+def test_the_worker_survives_a_request_dropped_while_it_waits(make):
+    """A dead request dropped by the idle worker leaves it waiting for the next one, not gone."""
+    from builder.runtime.batcher import Dropped
+
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=4, max_wait_ms=1)
+    late = batcher.submit([[1]], deadline=time.monotonic() - 1)
+    with pytest.raises(Dropped):
+        late.result(WAIT)
+    assert batcher.submit([[2]]).result(WAIT) == [vec([2])]
+    assert engine.calls == [[[2]]]
+
+
+def test_queue_full_and_dropped_say_why():
+    from builder.runtime.batcher import Dropped, QueueFull
+
+    assert str(QueueFull(3)) == "the queue is full; retry after 3s" and QueueFull(3).retry_after == 3
+    assert str(Dropped("timeout")) == "timeout" and Dropped("client_gone").reason == "client_gone"
+
+
+def test_the_retry_hint_follows_the_measured_engine_rate(make):
+    """An engine that takes 0.5 s for 10 tokens runs at about 20 tokens/s: 100 queued tokens drain in
+    about 5 s (a loaded machine only makes the engine slower, so the hint only grows)."""
+    from builder.runtime.batcher import QueueFull
+
+    class SlowEngine(FakeEngine):
+        def __call__(self, seqs):
+            out = super().__call__(seqs)
+            time.sleep(0.5)
+            return out
+
+    engine = SlowEngine()
+    batcher = make(engine, max_batch=1, max_wait_ms=1, max_queue_tokens=100)
+    assert batcher.submit([list(range(10))]).result(WAIT) == [vec(list(range(10)))]  # measures the rate
+    engine.release.clear()
+    engine.entered.clear()
+    busy(batcher, engine, 1)
+    queued = batcher.submit([list(range(100))])
+    with pytest.raises(QueueFull) as full:
+        batcher.submit([[1]])
+    assert 4 <= full.value.retry_after <= 12, full.value.retry_after
+    engine.release.set()
+    queued.result(WAIT)
+
+
 def test_a_full_queue_refuses_with_a_retry_hint(make):
     from builder.runtime.batcher import QueueFull
 
@@ -260,6 +334,7 @@ def test_the_engine_rate_is_the_first_batch_then_a_moving_average():
 
     assert blend_rate(0.0, 100, 2.0) == 50.0  # the first batch sets it
     assert blend_rate(50.0, 100, 1.0) == pytest.approx(0.8 * 50 + 0.2 * 100)  # a fifth of the weight
+    assert blend_rate(0.5, 100, 1.0) == pytest.approx(0.8 * 0.5 + 0.2 * 100)  # however slow it was
 
 
 @pytest.mark.parametrize("rate, hint", [(1.0, 5), (2.0, 2), (10.0, 1), (0.01, 30)])
