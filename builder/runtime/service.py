@@ -295,7 +295,7 @@ class EmbeddingService:
     # --- inputs to token ids ----------------------------------------------------------------------
 
     def _sequences(self, inputs: list, are_ids: bool, query: bool, trunc: Truncation | None,
-                   key: str = "input") -> list[list[int]]:
+                   key: str) -> list[list[int]]:
         """Token ids per input within the limits: characters first (before any tokenizing), then tokens
         per input and per request. key: the request's field, named as the errors' param."""
         enc = self.engine.encoder
