@@ -223,3 +223,22 @@ def test_a_locked_build_needs_the_hub_model_pinned(stub, tmp_path, monkeypatch):
     builder, variant, recipe = _builder(tmp_path, {})
     _, choice, pinned = builder._choose_model(variant, recipe)
     assert choice.substituted and pinned is None
+
+
+def test_mopt_lock_pins_a_hub_model_by_commit_and_file_hashes(stub, tmp_path, monkeypatch):
+    from builder.lock import lock_model, read_lock, write_lock
+
+    monkeypatch.setenv("HF_ENDPOINT", stub.endpoint)
+    _, _, recipe = _builder(tmp_path, None)
+    sha = stub.add_repo("Qwen/Qwen3-Embedding-0.6B", FILES)
+    source, pin = lock_model(recipe, tmp_path / "models", lambda line: None)
+    assert source == "hf://Qwen/Qwen3-Embedding-0.6B@main"
+    assert pin == {"repo": "Qwen/Qwen3-Embedding-0.6B", "revision": "main", "sha": sha,
+                   "files": {name: sha256(FILES[name]) for name in WANTED}}
+    write_lock(tmp_path / "mopt.lock.json", {}, None, {source: pin})
+    assert read_lock(tmp_path / "mopt.lock.json")["models"][source]["sha"] == sha
+    from builder.matrix import load_matrix
+    from tests.conftest import REPO
+
+    minilm = load_matrix(REPO / "matrix.yaml").image("minilm-embed").recipe
+    assert lock_model(minilm, tmp_path / "models", print) is None  # package: sources are not a hub's
