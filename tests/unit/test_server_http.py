@@ -429,8 +429,12 @@ def test_framing_refused_and_closed(start, headers, status, code):
     got, _, body, closed = raw(port, POST_HEAD + headers + b"\r\n" + BODY + smuggled)
     assert (got, error_code(body), closed) == (status, code, True)
     assert service.calls == []
+    messages = {"invalid_framing": "Content-Length and Transfer-Encoding together",
+                "length_required": "Transfer-Encoding is not supported; send Content-Length"}
     if headers == b"Content-Length 14\r\n":  # a line without a colon: the parser's defect, named as such
         assert json.loads(body)["error"]["message"] == "malformed request headers"
+    elif code in messages and b"Transfer-Encoding" in headers:
+        assert json.loads(body)["error"]["message"] == messages[code]
 
 
 def test_empty_lines_before_a_request_line_are_ignored(start):
@@ -530,6 +534,14 @@ def test_a_large_body_of_too_many_inputs_is_let_go_inside_the_parse_gate(start):
     assert status == 200 and len(service.calls) == 1
 
 
+@pytest.mark.parametrize("path, field", [("/v1/embeddings", "input"), ("/embeddings", "input"), ("/embed", "inputs")])
+def test_a_large_body_refused_in_the_parse_gate_names_its_routes_field(start, path, field):
+    port, service, _ = start()
+    service.limits.max_body_bytes, service.limits.max_inputs = 1 << 20, 4
+    status, _, body = request(port, "POST", path, {field: [[1]] * 30000})
+    assert (status, error_code(body), json.loads(body)["error"]["param"]) == (400, "too_many_inputs", field)
+
+
 def test_fields_a_route_does_not_read_are_dropped_after_parsing(start):
     class Service(FakeService):
         REQUEST_FIELDS = {"/v1/embeddings": frozenset({"input", "sleep"})}
@@ -580,9 +592,10 @@ def test_http10_keep_alive_is_said_in_the_response(start):
     assert b"Connection: close" in out and closed
 
 
-def test_connection_close_among_other_options_closes(start):
+@pytest.mark.parametrize("options", [b"keep-alive, close", b"keep-alive,close", b"close,Upgrade"])
+def test_connection_close_among_other_options_closes(start, options):
     port, _, _ = start()
-    out, closed = _answers(port, b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: keep-alive, close\r\n\r\n"
+    out, closed = _answers(port, b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: " + options + b"\r\n\r\n"
                                  b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
     assert out.count(b"HTTP/1.1 200") == 1 and b"Connection: close" in out and closed
 
