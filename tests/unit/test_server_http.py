@@ -421,6 +421,10 @@ def test_cors_any_origin(start):
     (b"Transfer-Encoding: gzip, chunked\r\n", 411, "length_required"),
     (b"", 411, "length_required"),
     (b"Content-Length 14\r\n", 400, "invalid_headers"),  # no colon
+    (b"Content-Length: 14\x0b\r\n", 400, "invalid_content_length"),  # only spaces and tabs are trimmed
+    (b"Content-Length: X14X\r\n", 400, "invalid_content_length"),
+    (b"Content-Length: " + b"9" * 19 + b"\r\n", 400, "invalid_content_length"),  # past 18 digits: refused
+    (b"Content-Length: " + b"9" * 18 + b"\r\n", 413, "body_too_large"),  # 18 digits: a number, too large
 ])
 def test_framing_refused_and_closed(start, headers, status, code):
     port, service, _ = start()
@@ -429,12 +433,18 @@ def test_framing_refused_and_closed(start, headers, status, code):
     got, _, body, closed = raw(port, POST_HEAD + headers + b"\r\n" + BODY + smuggled)
     assert (got, error_code(body), closed) == (status, code, True)
     assert service.calls == []
-    messages = {"invalid_framing": "Content-Length and Transfer-Encoding together",
-                "length_required": "Transfer-Encoding is not supported; send Content-Length"}
-    if headers == b"Content-Length 14\r\n":  # a line without a colon: the parser's defect, named as such
-        assert json.loads(body)["error"]["message"] == "malformed request headers"
-    elif code in messages and b"Transfer-Encoding" in headers:
-        assert json.loads(body)["error"]["message"] == messages[code]
+    if headers in FRAMING_MESSAGES:
+        assert json.loads(body)["error"]["message"] == FRAMING_MESSAGES[headers]
+
+
+FRAMING_MESSAGES = {
+    b"Content-Length 14\r\n": "malformed request headers",  # the parser's defect, named as such
+    b"Content-Length: 14\r\nTransfer-Encoding: chunked\r\n": "Content-Length and Transfer-Encoding together",
+    b"Transfer-Encoding: chunked\r\n": "Transfer-Encoding is not supported; send Content-Length",
+    b"Content-Length: 14\r\nContent-Length: 14\r\n": "more than one Content-Length header",
+    b"Content-Length: -14\r\n": "Content-Length must not be negative",
+    b"Content-Length: +14\r\n": "Content-Length must be a decimal number of bytes",
+}
 
 
 def test_empty_lines_before_a_request_line_are_ignored(start):
