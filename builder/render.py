@@ -79,11 +79,9 @@ def entrypoint(serve_command: tuple[str, ...]) -> list[str]:
     """The final image's ENTRYPOINT: the recipe's serve command without a --port. The port is the image's
     MOPT_PORT (serve.port), which the HEALTHCHECK reads too: a --port in the command would pin the server
     and leave `-e MOPT_PORT=...` moving the check alone."""
-    argv = list(serve_command)
-    while "--port" in argv:  # "--port N": drop the flag and its value
-        at = argv.index("--port")
-        del argv[at:at + 2]
-    return [arg for arg in argv if not arg.startswith("--port=")]
+    values = {i + 1 for i, arg in enumerate(serve_command) if arg == "--port"}  # "--port N": N goes too
+    return [arg for i, arg in enumerate(serve_command)
+            if i not in values and arg != "--port" and not arg.startswith("--port=")]
 
 
 def toolchain_template(templates: Path, backend_name: str) -> str | None:

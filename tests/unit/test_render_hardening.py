@@ -54,6 +54,8 @@ def test_a_port_in_the_recipe_command_is_dropped():
     command = ("python", "-m", "mopt_runtime", "serve", "--engine-dir", "/opt/mopt/engine", "--port", "8000")
     assert entrypoint(command) == ["python", "-m", "mopt_runtime", "serve", "--engine-dir", "/opt/mopt/engine"]
     assert entrypoint(("serve", "--port=9000", "--max-batch", "4")) == ["serve", "--max-batch", "4"]
+    assert entrypoint(("serve", "--port", "1", "--max-batch", "4", "--port", "2", "--x")) == [
+        "serve", "--max-batch", "4", "--x"]
 
 
 def test_serve_settings_reach_the_image_as_env_defaults(rendered):
