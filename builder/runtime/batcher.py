@@ -149,8 +149,11 @@ class Batcher:
     def _take(self) -> list[tuple[_Job, list[int]]]:
         """Pick up to max_batch inputs, the jobs with the least work left first; caller holds the lock."""
         # Jobs passed over MAX_SKIPS times first, oldest first; then the least work left.
-        starved = [j for j in self._jobs if j.skipped >= MAX_SKIPS]
-        ranked = starved + sorted((j for j in self._jobs if j.skipped < MAX_SKIPS), key=lambda j: j.left)
+        starved: list[_Job] = []
+        rest: list[_Job] = []
+        for job in self._jobs:
+            (starved if job.skipped >= MAX_SKIPS else rest).append(job)
+        ranked = starved + sorted(rest, key=lambda j: j.left)
         batch, room = [], self.max_batch
         for job in ranked:
             if room == 0:

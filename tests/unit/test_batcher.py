@@ -280,6 +280,18 @@ def test_the_worker_survives_a_request_dropped_while_it_waits(make):
     assert engine.calls == [[[2]]]
 
 
+def test_after_a_failed_batch_the_worker_serves_requests_with_deadlines(make):
+    engine = FakeEngine(hold_first=True, fail_on=13)
+    batcher = make(engine, max_batch=1, max_wait_ms=1)
+    busy(batcher, engine, 1)
+    bad = batcher.submit([[13]])
+    good = batcher.submit([[2], [3]], deadline=time.monotonic() + 60)
+    engine.release.set()
+    with pytest.raises(ValueError, match="bad token 13"):
+        bad.result(WAIT)
+    assert good.result(WAIT) == [vec([2]), vec([3])]
+
+
 def test_queue_full_and_dropped_say_why():
     from builder.runtime.batcher import Dropped, QueueFull
 
