@@ -86,8 +86,8 @@ def cli() -> None:
 @format_option
 @models_option
 def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> None:
-    """Expand the matrix into variants; list rejected combinations with their reasons, and the variants a
-    build would give a substitute model (tagged TAG-substitute) and why."""
+    """Expand the matrix into variants; list rejected combinations with their reasons, and the images a
+    build would give a substitute model (tagged TAG-substitute), and why."""
     matrix, result = _plan(matrix_path, select)
     choices = _model_choices(matrix, result.variants, models)
     if fmt == "json":
@@ -97,19 +97,18 @@ def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> No
         return
     table = Table(title=f"{len(result.variants)} variants from {result.combinations} combinations")
     table.add_column("id", no_wrap=True)
-    for column in ("backend", "cuda", "sm", "version", "torch", "min driver", "model"):
+    for column in ("backend", "cuda", "sm", "version", "torch", "min driver"):
         table.add_column(column, no_wrap=True)
     for v in result.variants:
-        r, choice = v.resolved, choices[v.id]
-        model = f"substitute: {choice.source.text}" if choice.substituted else choice.source.text
+        r = v.resolved
         table.add_row(v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-", str(r.get("backend_version")),
-                      r.get("torch") or "-", r.get("min_driver") or "-", escape(model))
+                      r.get("torch") or "-", r.get("min_driver") or "-")
     stdout.print(table)
-    whys = {choices[v.id].why: v.image for v in result.variants if choices[v.id].substituted}
-    for why, image in whys.items():
-        why = escape(" ".join(why.split()))
-        stderr.print(f"[yellow]substitute:[/] {image}'s variants would carry a substitute model, tagged "
-                     f"TAG-substitute and refused by publish without --allow-substitute: {why}")
+    substituted = {v.image: choices[v.id] for v in result.variants if choices[v.id].substituted}
+    for image, choice in substituted.items():
+        stderr.print(f"[yellow]substitute:[/] {image}'s variants would carry {escape(choice.source.text)}, tagged "
+                     "TAG-substitute and refused by publish without --allow-substitute: "
+                     f"{escape(' '.join(choice.why.split()))}")
     if result.rejected:
         rejected = Table(title=f"{len(result.rejected)} rejected")
         rejected.add_column("would be", no_wrap=True)

@@ -122,8 +122,9 @@ def test_plan_names_the_variants_a_build_would_substitute():
     assert models["qwen3-embed:cpu"]["substituted"] is True and models["qwen3-embed:cpu"]["source"] == SUBSTITUTE
     assert "unreachable" in models["qwen3-embed:cpu"]["why"]
     assert models["minilm-embed:cpu"]["substituted"] is False
-    table = run_mopt("plan", "--select", "qwen3-embed:cpu", env=offline)
-    assert f"substitute: {SUBSTITUTE}" in table.stdout and "TAG-substitute" in table.stderr
+    table = run_mopt("plan", "--select", "qwen3-embed:cpu", "--select", "minilm-embed:cpu", env=offline)
+    assert f"qwen3-embed's variants would carry {SUBSTITUTE}, tagged TAG-substitute" in table.stderr
+    assert "minilm-embed's" not in table.stderr
     source = run_mopt("plan", "--format", "json", "--select", "qwen3-embed:cpu", "--models", "source", env=offline)
     assert json.loads(source.stdout)["models"]["qwen3-embed:cpu"] == {"source": DECLARED, "substituted": False,
                                                                       "why": ""}
