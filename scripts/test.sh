@@ -10,8 +10,10 @@ export TESTCONTAINERS_RYUK_DISABLED=true
 # CI has the machine to itself: the fault test that restarts dockerd (stopping every container) may run.
 if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 # Builds leave stage images behind whenever an input changes (GBs each): before the run, drop mopt's
-# images that neither the tests' state nor the demo's names, and keep BuildKit's cache within 10 GiB.
-.venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib 10 | tail -n 3 \
+# images that neither the tests' state nor the demo's names, and keep BuildKit's cache within 20 GiB
+# (the vLLM cpu image alone takes about 11 minutes to rebuild when its layers are evicted).
+CACHE_GIB="${MOPT_TEST_BUILD_CACHE_GIB:-20}"
+.venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib "$CACHE_GIB" | tail -n 3 \
     || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
 rc=0
 .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@" tests || rc=$?
@@ -24,6 +26,6 @@ if [ "$#" -eq 0 ] && [ "$sample" != 0 ]; then
 fi
 # A CI clone is thrown away after the run: give its images' disk back now, not at the next run.
 if [ "${CI:-}" = "true" ]; then
-    .venv/bin/python -m builder prune --state-dir .mopt --build-cache-gib 10 | tail -n 3 || true
+    .venv/bin/python -m builder prune --state-dir .mopt --build-cache-gib "$CACHE_GIB" | tail -n 3 || true
 fi
 exit "$rc"
