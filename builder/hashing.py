@@ -43,13 +43,18 @@ def _tree_files(root: Path, pattern: str) -> Iterable[Path]:
                   if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith("."))
 
 
+def tree_sha256(root: Path, pattern: str = "**/*") -> dict[str, str]:
+    """relative path -> sha256 of each file, in sorted order; dotfiles and __pycache__ skipped."""
+    return {path.relative_to(root).as_posix(): sha256_file(path) for path in _tree_files(root, pattern)}
+
+
 def tree_digest(root: Path, pattern: str = "**/*") -> str:
     """sha256 over relative paths and contents, in sorted order (a context digest); dotfiles and
     __pycache__ skipped, so the digest does not depend on listing order or byte-code."""
     digest = hashlib.sha256()
-    for path in _tree_files(root, pattern):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    for name, file_sha in tree_sha256(root, pattern).items():
+        digest.update(name.encode() + b"\0")
+        digest.update(bytes.fromhex(file_sha))
     return digest.hexdigest()
 
 

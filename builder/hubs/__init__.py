@@ -13,7 +13,6 @@ commits already in the cache are used.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import BuildError, ConfigError
+from ..hashing import tree_sha256
 
 Log = Callable[[str], None]
 
@@ -142,16 +142,22 @@ def fetch(hub: Hub, ref: str, cache: Path, log: Log, pinned: dict | None = None)
             raise ConfigError(f"{where}@{commit} is not in the model cache ({home}) and the hubs are off "
                               "(offline mode); fetch it once online, or copy the cache over")
         _download(hub, repo, commit, home, log)
-    files = json.loads((target / MANIFEST).read_text())
-    if pinned is not None:  # hashed afresh: the cache may have been copied in, or changed since
-        files = _hash_tree(target)
+    if pinned is None:
+        files = json.loads((target / MANIFEST).read_text())
+    else:  # hashed afresh: the cache may have been copied in, or changed since
+        files = tree_sha256(target)
         _check_pinned(where, commit, files, pinned["files"])
     return Snapshot(scheme=hub.scheme, repo=repo, revision=revision, commit=commit, path=target, files=files)
 
 
+def _ref_file(home: Path, revision: str) -> Path:
+    """Where the commit a branch or tag last named is kept (for offline use)."""
+    return home / "refs" / revision.replace("/", "--")
+
+
 def _resolve(hub: Hub, repo: str, revision: str, home: Path) -> str:
     """A branch or tag -> its commit (asked of the hub; offline, the last answer kept in refs/)."""
-    ref_file = home / "refs" / revision.replace("/", "--")
+    ref_file = _ref_file(home, revision)
     if hub.settings.offline:
         if ref_file.is_file():
             return ref_file.read_text().strip()
@@ -170,7 +176,7 @@ def _download(hub: Hub, repo: str, commit: str, home: Path, log: Log) -> None:
     hub.download(repo, commit, staging)
     listed = hub.listed_sha256(repo, commit)
     shutil.rmtree(staging / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping, not the model's
-    files = _hash_tree(staging)
+    files = tree_sha256(staging)  # the same files as the model's digest
     for name, got in files.items():
         if name in listed and listed[name] != got:
             shutil.rmtree(staging, ignore_errors=True)
@@ -196,7 +202,7 @@ def cached(scheme: str, ref: str, cache: Path) -> bool:
     """Whether the commit `ref` names is complete in the cache (offline, through the last resolution)."""
     repo, revision = parse_ref(ref)
     home = _home(cache, scheme, repo)
-    ref_file = home / "refs" / revision.replace("/", "--")
+    ref_file = _ref_file(home, revision)
     commit = revision if COMMIT.match(revision) else (ref_file.read_text().strip() if ref_file.is_file() else "")
     return bool(commit) and (home / commit / MANIFEST).is_file()
 
@@ -206,20 +212,6 @@ def available(hub: Hub, ref: str, cache: Path, pinned: dict | None = None) -> bo
     if pinned is not None:
         ref = f"{parse_ref(ref)[0]}@{pinned['sha']}"
     return cached(hub.scheme, ref, cache) or reachable(hub.settings)
-
-
-def _hash_tree(root: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file under root, dot-names (the manifest, caches) left out."""
-    return {p.relative_to(root).as_posix(): _sha256(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def card_license(model_dir: Path) -> str | None:

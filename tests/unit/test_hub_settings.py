@@ -8,6 +8,7 @@ import pytest
 
 from builder import hubs
 from builder.errors import ConfigError
+from builder.hashing import sha256_file
 from builder.hubs.huggingface import HuggingFace
 from builder.hubs.modelscope import ModelScope
 
@@ -78,7 +79,7 @@ def _cache(tmp_path, files: dict[str, bytes]):
     target.mkdir(parents=True)
     for name, data in files.items():
         (target / name).write_bytes(data)
-    manifest = {name: hubs._sha256(target / name) for name in files}
+    manifest = {name: sha256_file(target / name) for name in files}
     (target / hubs.MANIFEST).write_text(json.dumps(manifest))
     refs = tmp_path / "hf" / "org--model" / "refs"
     refs.mkdir()
