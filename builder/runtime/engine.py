@@ -42,6 +42,22 @@ class Engine:
     def dim(self) -> int:
         return int(self.info["embedding_dim"])
 
+    def alive(self) -> bool:
+        """False once a backend's server child (vllm) has exited; always True for in-process engines."""
+        probe = getattr(self.run, "alive", None)
+        return probe is None or bool(probe())
+
+    @property
+    def exitcode(self) -> int | None:
+        """The server child's exit code once it has exited (vllm); None otherwise."""
+        probe = getattr(self.run, "exitcode", None)
+        return probe() if probe is not None else None
+
+    def close(self) -> None:
+        stop = getattr(self.run, "close", None)
+        if stop is not None:
+            stop()
+
     def embed_ids(self, seqs: list[list[int]]) -> list[list[float]]:
         return self.embed_tensor(seqs).tolist()
 

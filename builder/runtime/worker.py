@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 from array import array
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from .engine import engine_encoder
 from .errors import RuntimeToolError
 from .params import EngineParams
 from .tokenization import TextEncoder
+
+ENGINE_CHECK_S = 0.5  # how often an idle worker checks its engine (a backend's server child)
+EXIT_ENGINE_CHILD_DIED = 70  # the worker's exit code when that child died (the server's watchdog logs it)
 
 
 def _worker_main(out_dir: str, conn) -> None:
@@ -45,10 +49,16 @@ def _worker_main(out_dir: str, conn) -> None:
     conn.send(("ready", str(engine_dir), data))
     while True:
         try:
+            while not conn.poll(ENGINE_CHECK_S):
+                if not engine.alive():  # a backend's server child died (vllm): so does this worker
+                    print(f"mopt_runtime: the engine's server process exited with code {engine.exitcode}",
+                          file=sys.stderr, flush=True)
+                    os._exit(EXIT_ENGINE_CHILD_DIED)
             seqs = conn.recv()
         except EOFError:  # the server process is gone
-            return
+            seqs = None
         if seqs is None:
+            engine.close()
             return
         try:
             conn.send(("ok", engine.embed_tensor(seqs).contiguous().numpy().tobytes()))

@@ -1,10 +1,7 @@
 """vLLM backend: engine arguments shared by the compile warm-up and `vllm serve`, the serve command,
-its environment, the model-name middleware and the cache digest (no vLLM needed); the in-process
+its environment and the cache digest (no vLLM needed); the in-process
 compile runs only where vllm is importable (the vllm-cpu image: tests/integration/test_vllm_cpu.py)."""
 from __future__ import annotations
-
-import asyncio
-import json
 
 import pytest
 
@@ -46,46 +43,15 @@ def test_serve_argv_uses_the_compile_engine_args():
         assert f"--{key.replace('_', '-')} {value}" in joined
     assert "--served-model-name mopt/minilm-embed" in joined
     assert argv[argv.index("--port") + 1] == "8000" and argv[argv.index("--host") + 1] == "0.0.0.0"
-    assert argv[-1].endswith("vllm_backend.AnyModelName")
+    assert argv[-1] == "--disable-uvicorn-access-log"  # mopt's server logs the requests
 
 
 def test_serve_env_points_at_the_shipped_cache(tmp_path):
     env = vb.serve_env(tmp_path / "engine" / "vllm-cache", params(), {"VLLM_CPU_KVCACHE_SPACE": "2"})
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "engine" / "vllm-cache")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # a user's setting wins
-    assert env["VLLM_MQ_MAX_CHUNK_BYTES_MB"] == vb.MQ_CHUNK_MIB and env[vb.ENV_SERVED_NAME] == "mopt/minilm-embed"
+    assert env["VLLM_MQ_MAX_CHUNK_BYTES_MB"] == vb.MQ_CHUNK_MIB
     assert "VLLM_CPU_KVCACHE_SPACE" not in vb.serve_env(tmp_path, params(device="cuda", precision="bf16"), {})
-
-
-def test_rewrite_model():
-    body = json.dumps({"input": ["a"], "model": "smoke"}).encode()
-    assert json.loads(vb.rewrite_model(body, "mopt/minilm-embed")) == {"input": ["a"], "model": "mopt/minilm-embed"}
-    unnamed = json.dumps({"input": ["a"]}).encode()
-    assert vb.rewrite_model(unnamed, "x") == unnamed
-    assert vb.rewrite_model(b"not json", "x") == b"not json"
-
-
-def test_middleware_rewrites_body_and_length(monkeypatch):
-    monkeypatch.setenv(vb.ENV_SERVED_NAME, "served")
-    seen = {}
-
-    async def app(scope, receive, send):
-        seen["headers"] = dict(scope["headers"])
-        message = await receive()
-        seen["body"] = message["body"]
-
-    body = json.dumps({"input": "x", "model": "other"}).encode()
-    chunks = [{"type": "http.request", "body": body[:5], "more_body": True},
-              {"type": "http.request", "body": body[5:], "more_body": False}]
-
-    async def receive():
-        return chunks.pop(0)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/embeddings",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
-    asyncio.run(vb.AnyModelName(app)(scope, receive, None))
-    assert json.loads(seen["body"])["model"] == "served"
-    assert seen["headers"][b"content-length"] == str(len(seen["body"])).encode()
 
 
 def test_cache_digest(tmp_path):
@@ -98,7 +64,7 @@ def test_cache_digest(tmp_path):
 
 
 def test_guard_runs_before_vllm_serve(tmp_path, monkeypatch):
-    """`python -m mopt_runtime serve` on a tampered vllm engine exits 3 and never execs vLLM."""
+    """`python -m mopt_runtime serve` on a tampered vllm engine exits 3 and never starts vLLM."""
     from builder.runtime import __main__ as cli
     from builder.runtime import fingerprint
 
@@ -111,8 +77,17 @@ def test_guard_runs_before_vllm_serve(tmp_path, monkeypatch):
                             "engine_files": files, "engine_sha256": "0" * 64, "artifact": vb.ARTIFACT,
                             "model_digest": "", "params": params().to_dict(), "image": None,
                             "compile_seconds": 0})
-    monkeypatch.setattr(vb, "exec_serve", lambda *a: pytest.fail("vllm serve must not start"))
-    assert cli.main(["serve", "--engine-dir", str(out)]) == 3
+    monkeypatch.setattr(vb, "load", lambda *a: pytest.fail("vLLM's server must not start"))
+    assert cli.main(["serve", "--no-engine-process", "--engine-dir", str(out)]) == 3
+
+
+def test_vllm_is_served_by_mopts_server():
+    """One API on every flavour: vllm is not exec'd, its server runs behind mopt's."""
+    from builder.runtime.backends import backend_info
+
+    assert backend_info("vllm").own_server is False
+    with pytest.raises(UsageError, match="served by mopt's server"):
+        vb.exec_serve("/x", {}, "0.0.0.0", 8000)
 
 
 def test_compile_with_vllm(tmp_path):

@@ -71,7 +71,8 @@ BACKENDS: dict[str, BackendInfo] = {
     "tensorrt": BackendInfo(module="tensorrt", own_server=False, version_is_torch=False, prepares=False,
                             precisions=(*FLOAT_PRECISIONS, "int8", "fp8")),
     "tensorrt-llm": BackendInfo(module="tensorrt_llm", own_server=True, version_is_torch=False, prepares=False),
-    "vllm": BackendInfo(module="vllm_backend", own_server=True, version_is_torch=False, prepares=False),
+    # vLLM's own server runs behind mopt's, as the engine (load starts it): one API for every flavour.
+    "vllm": BackendInfo(module="vllm_backend", own_server=False, version_is_torch=False, prepares=False),
 }
 
 

@@ -1,25 +1,31 @@
 """vLLM: the "engine" is vLLM's torch.compile cache (plus CUDA-graph warm-up on GPUs), made in the
-exact runtime image and shipped under VLLM_CACHE_ROOT; serving is vLLM's OpenAI server.
+exact runtime image and shipped under VLLM_CACHE_ROOT. In the image, mopt's server takes the requests
+(one API for every flavour: auth, limits, truncation, /embed, /info) and its batches go to vLLM's
+OpenAI server, a child process on loopback, as token ids.
 
 engine/vllm-cache/           VLLM_CACHE_ROOT at compile time and in the final image
 engine/vllm-engine.json      the artifact: vLLM version, the engine arguments, the cache digest
 
 vllm is imported lazily (inside functions): the guard and the build side import this module on
-hosts without vLLM. `python -m mopt_runtime serve` runs the guard, then execs vLLM's OpenAI server
-(what `vllm serve` runs) with exactly the engine arguments the cache was made with, so the cache hits.
+hosts without vLLM. load() starts vLLM's OpenAI server (what `vllm serve` runs) with exactly the engine
+arguments the cache was made with, so the cache hits.
 """
 from __future__ import annotations
 
 import atexit
+import base64
 import hashlib
 import json
 import logging
 import os
 import sys
+import threading
 import time
 import urllib.request
+from array import array
 from pathlib import Path
 
+from ..errors import UsageError
 from ..params import EngineParams
 
 ARTIFACT = "vllm-engine.json"
@@ -32,7 +38,6 @@ CPU_KVCACHE_GIB = "1"
 # runs in the engine-core process instead (uni executor; vLLM keeps "mp" on CPU unless
 # VLLM_ENABLE_V1_MULTIPROCESSING=0), so the images need no --shm-size.
 MQ_CHUNK_MIB = "2"
-ENV_SERVED_NAME = "MOPT_SERVED_MODEL_NAME"
 log = logging.getLogger(__name__)
 
 
@@ -75,8 +80,8 @@ def serve_argv(model_dir: str, params: EngineParams, host: str, port: int, pytho
     for key, value in engine_args(params).items():
         argv += _cli_flag(key, value)
     names = [params.model_name or Path(model_dir).name]
-    argv += ["--served-model-name", *names, "--host", host, "--port", str(port),
-             "--middleware", f"{__name__}.AnyModelName"]
+    # mopt's server logs each request (its access log); vLLM's would log every batch a second time.
+    argv += ["--served-model-name", *names, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
     return argv
 
 
@@ -86,7 +91,6 @@ def serve_env(cache_root: str | Path, params: EngineParams, base: dict | None = 
     # With AOT compile off (below) vLLM 0.32 on CPU writes its compiled graphs only to torch
     # inductor's cache (default /tmp/torchinductor_<user>): keep that inside the shipped cache too.
     env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_root) / "torchinductor")
-    env[ENV_SERVED_NAME] = params.model_name or ""
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
@@ -101,51 +105,6 @@ def serve_env(cache_root: str | Path, params: EngineParams, base: dict | None = 
     return env
 
 
-class AnyModelName:
-    """ASGI middleware for `vllm serve --middleware`: a request's "model" field is served whatever it
-    names, as by mopt's own server (vLLM answers 404 "The model `x` does not exist" otherwise). The
-    image serves exactly one model, so the field is rewritten to its served name."""
-
-    def __init__(self, app):
-        self.app = app
-        self.name = os.environ.get(ENV_SERVED_NAME, "")
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or not self.name:
-            return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message], receive), send)
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = rewrite_model(b"".join(chunks), self.name)
-        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(body)).encode()))
-        scope = dict(scope, headers=headers)
-        return await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}],
-                                             receive), send)
-
-
-def _replay(messages: list, receive):
-    async def replay():
-        return messages.pop(0) if messages else await receive()
-
-    return replay
-
-
-def rewrite_model(body: bytes, name: str) -> bytes:
-    """The JSON body with "model" set to name; other bodies unchanged."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(data, dict) or data.get("model") in (None, name):
-        return body
-    return json.dumps({**data, "model": name}).encode()
-
-
 def cache_digest(cache_dir: str | Path) -> tuple[str, int]:
     """sha256 over the cache tree (relative paths + contents) and its file count."""
     root = Path(cache_dir)
@@ -158,11 +117,14 @@ def cache_digest(cache_dir: str | Path) -> tuple[str, int]:
 
 
 class Server:
-    """vLLM's OpenAI server as a child process: the exact serve path of the image (same command, same
-    environment), so the compile cache it writes is the one the image's start-up looks up. (An
-    in-process LLM(...) computes another cache key: its engine runs in another process layout.)"""
+    """vLLM's OpenAI server as a child process on loopback: the exact serve path of the image (same
+    command, same environment), so the compile cache it writes is the one the image's start-up looks
+    up. (An in-process LLM(...) computes another cache key: its engine runs in another process
+    layout.) mopt's own server sits in front of it in the image, so every flavour has one API; the
+    child takes a random API key, so no other process in the container can call it unauthenticated."""
 
     def __init__(self, model_dir: str, cache_root: str | Path, params: EngineParams, timeout: float = 1800):
+        import secrets
         import socket
         import subprocess
 
@@ -170,10 +132,14 @@ class Server:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
+        self._key = secrets.token_urlsafe(32)
+        self._local = threading.local()  # one keep-alive connection per calling thread
         argv = serve_argv(model_dir, params, "127.0.0.1", self.port)
         log.info("starting %s", " ".join(argv))
-        # The server's output goes to this process's stderr (the compile log).
-        self.proc = subprocess.Popen(argv, env=serve_env(cache_root, params), stdout=sys.stderr, stderr=sys.stderr)
+        # The server's output goes to this process's stderr (the compile log, the container's log).
+        # The key travels in the environment, never on a command line that `ps` shows.
+        env = {**serve_env(cache_root, params), "VLLM_API_KEY": self._key}
+        self.proc = subprocess.Popen(argv, env=env, stdout=sys.stderr, stderr=sys.stderr)
         atexit.register(self.stop)
         self.start_seconds = self._wait(timeout)
 
@@ -192,14 +158,43 @@ class Server:
         self.stop()
         raise RuntimeError(f"vLLM's server did not answer /health within {timeout:.0f}s")
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def embed(self, inputs: list) -> list[list[float]]:
-        """inputs: strings or lists of token ids (the OpenAI API takes both)."""
-        body = json.dumps({"input": inputs, "model": "any"}).encode()
-        request = urllib.request.Request(f"{self.base}/v1/embeddings", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as response:
-            data = json.loads(response.read())["data"]
-        return [item["embedding"] for item in sorted(data, key=lambda d: d["index"])]
+        """inputs: strings or lists of token ids (the OpenAI API takes both). Vectors come back as
+        base64 float32 (a tenth of JSON's parse time for 1024-dim rows)."""
+        # No "model": vLLM then uses the one it serves.
+        body = json.dumps({"input": inputs, "encoding_format": "base64"}).encode()
+        status, payload = self._post("/v1/embeddings", body)
+        if status != 200:
+            raise RuntimeError(f"vLLM's server answered {status}: {payload[:300]!r}")
+        data = sorted(json.loads(payload)["data"], key=lambda d: d["index"])
+        vectors = []
+        for item in data:
+            flat = array("f")
+            flat.frombytes(base64.b64decode(item["embedding"]))
+            vectors.append(flat.tolist())
+        return vectors
+
+    def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        import http.client
+
+        for attempt in (1, 2):  # a kept connection the server closed meanwhile is opened again, once
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = self._local.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+            try:
+                conn.request("POST", path, body, {"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {self._key}"})
+                response = conn.getresponse()
+                return response.status, response.read()
+            except (http.client.HTTPException, ConnectionError):
+                conn.close()
+                self._local.conn = None
+                if attempt == 2 or not self.alive():
+                    raise
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -270,20 +265,58 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
                                                             "cache_keys")}}}
 
 
-def load(engine_dir: str | Path, params: EngineParams):
-    """vLLM's server over a copy of the shipped cache at the serve path (compile's verify step; the
-    shipped files stay as engine.json hashed them). Warns when that start writes into the cache
-    (part of the compile was not reused)."""
+def _cache_for_serving(shipped: Path) -> Path:
+    """The VLLM_CACHE_ROOT vLLM's server gets when it serves the shipped cache.
+
+    - The compile's verify step (VLLM_CACHE_ROOT is the final path the cache was written at, the
+      shipped copy lies elsewhere): a fresh copy at that path, so the shipped files stay as
+      engine.json hashed them.
+    - A user's own VLLM_CACHE_ROOT: used as it is (vLLM fills it).
+    - Otherwise the shipped cache itself. vLLM's Inductor takes lock files and may add entries
+      there at every start, so when the directory is not writable (a read-only root, the engine
+      owned by root) the server gets a writable mirror in the temp dir: directories made, files
+      linked to the shipped ones. Compiled kernels are then loaded through the links from the image's
+      own file system, so a noexec /tmp is enough."""
     import shutil
 
+    work = _serve_root(shipped)
+    if work != shipped:
+        artifact = json.loads((shipped.parent / ARTIFACT).read_text())
+        if str(work) != artifact.get("cache_root"):
+            return work
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(shipped, work, symlinks=True)
+    if os.access(work, os.W_OK):
+        return work
+    return _writable_mirror(work)
+
+
+def _writable_mirror(root: Path) -> Path:
+    import shutil
+    import tempfile
+
+    mirror = Path(tempfile.mkdtemp(prefix="mopt-vllm-cache-"))
+    atexit.register(shutil.rmtree, mirror, True)
+    for directory, subdirs, files in os.walk(root):
+        rel = Path(directory).relative_to(root)
+        for name in subdirs:
+            (mirror / rel / name).mkdir()
+        for name in files:
+            # Lock files are made afresh: filelock opens them with O_NOFOLLOW, so a link fails.
+            if not (name.endswith(".lock") or "locks" in rel.parts):
+                (mirror / rel / name).symlink_to(Path(directory) / name)
+    log.info("the shipped vLLM cache %s is not writable: serving it through links in %s", root, mirror)
+    return mirror
+
+
+def load(engine_dir: str | Path, params: EngineParams):
+    """vLLM's server over the shipped cache (_cache_for_serving says where), as the engine behind
+    mopt's server and the compile's verify step. Warns when that start writes into the cache (part
+    of the compile was not reused). The callable's alive() and close() reach the server child."""
     import torch
 
     engine_dir = Path(engine_dir)
-    shipped = engine_dir / CACHE_SUBDIR
-    work = _serve_root(shipped)
-    if work != shipped:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.copytree(shipped, work, symlinks=True)
+    work = _cache_for_serving(engine_dir / CACHE_SUBDIR)
     before = _snapshot(work)
     model_dir = params.model_dir if params.model_dir and Path(params.model_dir).is_dir() else str(engine_dir)
     server = Server(model_dir, work, params)
@@ -298,6 +331,8 @@ def load(engine_dir: str | Path, params: EngineParams):
                 for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]
         return torch.tensor(server.embed(seqs), dtype=torch.float32)
 
+    run.alive, run.close = server.alive, server.stop
+    run.exitcode = lambda: server.proc.returncode
     return run
 
 
@@ -312,25 +347,6 @@ def prepare(device: str) -> None:
     """Nothing to warm: vLLM's server loads the model and its compile cache."""
 
 
-def http_settings(options) -> tuple[list[str], dict]:
-    """mopt's HTTP options (server.HttpOptions) as vLLM's: (extra argv, extra env). The API key goes
-    by VLLM_API_KEY, which vLLM reads as --api-key, so it never shows in `ps`; CORS origins by
-    --allowed-origins (a JSON list). vLLM guards /v1/* with the key; /health and /metrics stay open."""
-    if options is None:
-        return [], {}
-    argv = ["--allowed-origins", json.dumps(list(options.cors_origins))] if options.cors_origins else []
-    return argv, ({"VLLM_API_KEY": options.api_key} if options.api_key else {})
-
-
 def exec_serve(out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
-    """Replace this process (PID 1 in the image) with vLLM's OpenAI server over the shipped cache."""
-    params = EngineParams.from_dict(data["params"])
-    engine_dir = Path(out_dir) / "engine"
-    model_dir = params.model_dir if params.model_dir and Path(params.model_dir).is_dir() else str(engine_dir)
-    extra_argv, extra_env = http_settings(options)
-    argv = serve_argv(model_dir, params, host, port) + extra_argv
-    # The image sets VLLM_CACHE_ROOT to the shipped cache; a user's -e VLLM_CACHE_ROOT=... wins.
-    env = {**serve_env(os.environ.get("VLLM_CACHE_ROOT") or engine_dir / CACHE_SUBDIR, params), **extra_env}
-    print(f"mopt_runtime: guard passed; exec {' '.join(argv)} (VLLM_CACHE_ROOT={env['VLLM_CACHE_ROOT']}"
-          f"{', API key set' if extra_env else ''})", file=sys.stderr, flush=True)
-    os.execvpe(argv[0], argv, env)
+    """Not used: mopt's server serves this backend, with vLLM's server behind it (load)."""
+    raise UsageError("the vllm backend is served by mopt's server, not exec'd")
