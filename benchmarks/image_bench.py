@@ -1,7 +1,7 @@
 """Served images side by side on one mixed-length workload, as a user would compare them:
 
     .venv/bin/python benchmarks/image_bench.py NAME=URL [NAME=URL ...] [--rounds 3] [--requests 96]
-        [--clients 8] [--texts 8] [--min-words 4] [--max-words 120] [--api-key KEY] [--out FILE]
+        [--clients 8] [--texts 8] [--min-words 4] [--max-words 120] [--api-key KEY] [--model NAME] [--out FILE]
 
 Each URL is a running server's base (e.g. http://127.0.0.1:8000) that answers OpenAI's POST
 /v1/embeddings: a mopt image of any flavour, vLLM's server, or anything else with that route. Every
@@ -45,14 +45,15 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dic
     return len(json.loads(data)["data"])
 
 
-def run_target(url: str, batches: list[list[str]], clients: int, api_key: str | None,
+def run_target(url: str, batches: list[list[str]], clients: int, api_key: str | None, model: str | None = None,
                timeout: float = 600.0) -> dict:
     """Send every batch once from CLIENTS threads (each with its own keep-alive connection)."""
     parts = urlsplit(url)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    bodies = [json.dumps({"input": texts, "model": "any"}).encode() for texts in batches]
+    extra = {"model": model} if model else {}  # no model: every server here embeds with the one it serves
+    bodies = [json.dumps({"input": texts, **extra}).encode() for texts in batches]
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-words", type=int, default=120)
     p.add_argument("--warmup", type=int, default=8, help="requests sent to each target before timing")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="the request's model field (default: none sent)")
     p.add_argument("--out", default=None, help="also write the result JSON here")
     a = p.parse_args(argv)
     targets = {}
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = workload(a.requests, a.texts, a.min_words, a.max_words)
     warm = workload(a.warmup, a.texts, a.min_words, a.max_words, seed=1)
     for name, url in targets.items():
-        res = run_target(url, warm, a.clients, a.api_key)
+        res = run_target(url, warm, a.clients, a.api_key, a.model)
         if "error" in res:
             print(f"{name}: {res['error']}", file=sys.stderr)
             return 1
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         order = names[r % len(names):] + names[:r % len(names)]
         row = {}
         for name in order:
-            row[name] = run_target(targets[name], batches, a.clients, a.api_key)
+            row[name] = run_target(targets[name], batches, a.clients, a.api_key, a.model)
             if "error" in row[name]:
                 print(f"{name}: {row[name]['error']}", file=sys.stderr)
                 return 1

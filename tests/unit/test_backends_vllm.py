@@ -51,6 +51,7 @@ def test_serve_env_points_at_the_shipped_cache(tmp_path):
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "engine" / "vllm-cache")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # a user's setting wins
     assert env["VLLM_MQ_MAX_CHUNK_BYTES_MB"] == vb.MQ_CHUNK_MIB
+    assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"  # no g++ at every start
     assert "VLLM_CPU_KVCACHE_SPACE" not in vb.serve_env(tmp_path, params(device="cuda", precision="bf16"), {})
 
 

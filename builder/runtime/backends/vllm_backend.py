@@ -99,6 +99,11 @@ def serve_env(cache_root: str | Path, params: EngineParams, base: dict | None = 
     # load failure ... reason: 'function'"), so every start compiled again; without AOT compile a
     # warm inductor cache cut engine init from 22.4 s to 5.6 s by hand.
     env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    # Inductor builds a precompiled header with g++ in every fresh process before it looks up a cached
+    # kernel (into /tmp/torchinductor_<user>, outside the shipped cache), and the kernels' cache keys
+    # depend on it: without it, for the compile and every start alike, a start over the shipped cache
+    # runs no compiler at all.
+    env.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
     if params.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
