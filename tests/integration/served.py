@@ -30,6 +30,7 @@ class ServedContainer:
     server_args: tuple[str, ...] = ()
     memory: str = "2g"
     env: dict = field(default_factory=dict)
+    docker_args: tuple[str, ...] = ()  # more `docker run` options, e.g. ("--user", "4242:4242")
     cid: str = ""
     port: int = 0
 
@@ -38,7 +39,8 @@ class ServedContainer:
         # --memory-swap equal to --memory: no swap, so going over the limit is an OOM kill, not a slow-down.
         self.cid = _docker(self.docker, "run", "-d", "--label", LABEL, *HARDENED, "--memory", self.memory,
                            "--memory-swap", self.memory, "--pids-limit", "512",
-                           "-p", f"127.0.0.1::{CONTAINER_PORT}", *env, self.image, *self.server_args)
+                           "-p", f"127.0.0.1::{CONTAINER_PORT}", *env, *self.docker_args, self.image,
+                           *self.server_args)
         mapping = _docker(self.docker, "port", self.cid, f"{CONTAINER_PORT}/tcp")
         self.port = int(mapping.splitlines()[0].rsplit(":", 1)[1])
         self.wait_healthy(health_timeout_s)
@@ -60,6 +62,19 @@ class ServedContainer:
 
     def state(self) -> dict:
         return json.loads(_docker(self.docker, "inspect", "--format", "{{json .State}}", self.cid))
+
+    def exec(self, *command: str) -> str:
+        """COMMAND's output inside the running container."""
+        return _docker(self.docker, "exec", self.cid, *command)
+
+    def wait_exited(self, timeout_s: float) -> dict:
+        """The container's state once it has exited (bounded wait; the state as it is at the deadline)."""
+        deadline = time.monotonic() + timeout_s
+        state = self.state()
+        while state["Running"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+            state = self.state()
+        return state
 
     def logs(self) -> str:
         proc = subprocess.run([self.docker, "logs", self.cid], capture_output=True, text=True, timeout=30)
@@ -107,9 +122,9 @@ def request(port: int, method: str, path: str, body: bytes | None = None, header
         conn.close()
 
 
-def embed(port: int, payload: dict, timeout: float = 120) -> tuple[int, dict]:
+def embed(port: int, payload: dict, timeout: float = 120, headers: dict | None = None) -> tuple[int, dict]:
     status, _, raw = request(port, "POST", "/v1/embeddings", json.dumps(payload).encode(),
-                             {"Content-Type": "application/json"}, timeout=timeout)
+                             {"Content-Type": "application/json", **(headers or {})}, timeout=timeout)
     return status, json.loads(raw)
 
 

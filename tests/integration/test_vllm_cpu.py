@@ -9,8 +9,6 @@ Shares .mopt/test-state with test_release.py, so on a warm machine this reuses t
 from __future__ import annotations
 
 import json
-import socket
-import time
 import uuid
 
 import pytest
@@ -20,6 +18,7 @@ from builder.dockerclient import run_docker
 from builder.localregistry import LocalRegistry
 from builder.state import StateDir
 from tests.integration.conftest import STATE, mopt_cli
+from tests.integration.served import ServedContainer, embed, raw_exchange, request, statuses
 
 pytestmark = pytest.mark.integration
 VARIANT = "minilm-embed:cpu-vllm"
@@ -70,109 +69,74 @@ def test_vllm_engine_is_the_shipped_compile_cache(docker_cli, released):
     assert info["Config"]["User"] == "10001:10001"
 
 
-HARDENED = ["--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-            "--user", "4242:4242"]
-START_TIMEOUT_S = 240  # vLLM's own start is ~50 s on this 2-core machine
-
-
-def _wait_healthy(docker_cli, name: str, base: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        state = json.loads(run_docker(["inspect", "-f", "{{json .State}}", name], docker=docker_cli).stdout)
-        if state["Status"] == "exited":
-            logs = run_docker(["logs", name], docker=docker_cli, check=False).stderr
-            pytest.fail(f"the container exited ({state['ExitCode']}) before answering /health:\n{logs[-2500:]}")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    pytest.fail(f"/health did not answer 200 within {START_TIMEOUT_S}s")
-
 
 @pytest.fixture(scope="module")
 def hardened_vllm(docker_cli, released):
-    """The released vllm image run hardened (docs/hardening.md) with an API key; removed afterwards."""
+    """The released vllm image run hardened (docs/hardening.md) as another uid, with an API key."""
     _, _, report = released
     row = next(v for v in report["variants"] if v["id"] == VARIANT)
-    name = f"mopt-vllm-hardened-{uuid.uuid4().hex[:8]}"
     key = "vllm-test-key-" + uuid.uuid4().hex
-    run_docker(["run", "-d", "--name", name, "-p", "127.0.0.1::8000", *HARDENED, "-e", f"MOPT_API_KEY={key}",
-                row["image_id"]], docker=docker_cli, timeout=60)
+    # vLLM's own start is ~35 s on this 2-core machine; 3g: vLLM's two processes plus the worker
+    served = ServedContainer(docker_cli, row["image_id"], memory="3g", env={"MOPT_API_KEY": key},
+                             docker_args=("--user", "4242:4242"))
     try:
-        port = run_docker(["port", name, "8000/tcp"], docker=docker_cli).stdout.split()[0].rsplit(":", 1)[1]
-        base = f"http://127.0.0.1:{port}"
-        _wait_healthy(docker_cli, name, base)
-        yield name, base, key
+        yield served.start(health_timeout_s=240), key
     finally:
-        run_docker(["rm", "-f", name], docker=docker_cli, check=False, timeout=60)
+        served.stop()
 
 
-def test_vllm_image_serves_hardened_with_a_root_owned_cache(docker_cli, hardened_vllm):
-    name, base, key = hardened_vllm
+def test_vllm_image_serves_hardened_with_a_root_owned_cache(hardened_vllm):
+    served, key = hardened_vllm
     auth = {"Authorization": f"Bearer {key}"}
-    response = requests.post(f"{base}/v1/embeddings", json={"input": ["a", "bb"], "model": "any"}, headers=auth,
-                             timeout=60)
-    assert response.status_code == 200, response.text[:300]
-    assert [len(d["embedding"]) for d in response.json()["data"]] == [384, 384]
+    status, body = embed(served.port, {"input": ["a", "bb"], "model": "any"}, headers=auth)
+    assert status == 200, body
+    assert [len(d["embedding"]) for d in body["data"]] == [384, 384]
     # nothing executable was written: /tmp is noexec and holds no shared library of its own (the
     # mirror's kernels are links into the read-only engine dir)
-    mounts = run_docker(["exec", name, "grep", " /tmp ", "/proc/mounts"], docker=docker_cli).stdout
+    mounts = served.exec("grep", " /tmp ", "/proc/mounts")
     assert "noexec" in mounts.split()[3].split(","), mounts
-    so_files = run_docker(["exec", name, "find", "/tmp", "-type", "f", "-name", "*.so"], docker=docker_cli).stdout
-    assert so_files.strip() == ""
-    links = run_docker(["exec", name, "sh", "-c", "find /tmp -type l -name '*.so' | head -1 | xargs readlink"],
-                       docker=docker_cli).stdout
-    assert links.startswith("/opt/mopt/engine/engine/vllm-cache/"), links
-    owners = run_docker(["exec", name, "sh", "-c", "find /opt/mopt/engine \\( ! -user root -o -perm /022 \\) -print"],
-                        docker=docker_cli).stdout
-    assert owners.strip() == ""
+    assert served.exec("find", "/tmp", "-type", "f", "-name", "*.so") == ""
+    link = served.exec("sh", "-c", "find /tmp -type l -name '*.so' | head -1 | xargs readlink")
+    assert link.startswith("/opt/mopt/engine/engine/vllm-cache/"), link
+    assert served.exec("sh", "-c", "find /opt/mopt/engine \\( ! -user root -o -perm /022 \\) -print") == ""
 
 
 def test_vllm_image_has_the_same_api_as_every_flavour(hardened_vllm):
     """Routes, auth and error shapes of mopt's server, not vLLM's (docs/server.md)."""
-    _, base, key = hardened_vllm
+    served, key = hardened_vllm
     auth = {"Authorization": f"Bearer {key}"}
-    unauthorised = requests.post(f"{base}/v1/embeddings", json={"input": "x"}, timeout=30)
-    assert unauthorised.status_code == 401 and unauthorised.json()["error"]["code"] == "invalid_api_key"
-    assert requests.get(f"{base}/info", timeout=30).status_code == 401  # vLLM alone guarded /v1/* only
-    info = requests.get(f"{base}/info", headers=auth, timeout=30).json()
+    status, body = embed(served.port, {"input": "x"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert request(served.port, "GET", "/info")[0] == 401  # vLLM alone guarded /v1/* only
+    info = json.loads(request(served.port, "GET", "/info", headers=auth)[2])
     assert info["backend"] == "vllm" and info["embedding_dim"] == 384 and info["max_input_tokens"] == 256
-    models = requests.get(f"{base}/v1/models", headers=auth, timeout=30).json()
+    models = json.loads(request(served.port, "GET", "/v1/models", headers=auth)[2])
     assert models["data"][0]["id"] == info["model"]
-    tei = requests.post(f"{base}/embed", json={"inputs": ["hello world"]}, headers=auth, timeout=60)
-    assert tei.status_code == 200 and len(tei.json()[0]) == 384
-    openai = requests.post(f"{base}/v1/embeddings", json={"input": ["hello world"], "model": "whatever"},
-                           headers=auth, timeout=60).json()["data"][0]["embedding"]
-    assert max(abs(a - b) for a, b in zip(openai, tei.json()[0], strict=True)) < 1e-6
+    status, _, raw = request(served.port, "POST", "/embed", json.dumps({"inputs": ["hello world"]}).encode(),
+                             {**auth, "Content-Type": "application/json"}, timeout=60)
+    tei = json.loads(raw)
+    assert status == 200 and len(tei[0]) == 384
+    status, body = embed(served.port, {"input": ["hello world"], "model": "whatever"}, headers=auth)
+    assert max(abs(a - b) for a, b in zip(body["data"][0]["embedding"], tei[0], strict=True)) < 1e-6
     long_text = "word " * 2000
-    refused = requests.post(f"{base}/v1/embeddings", json={"input": long_text}, headers=auth, timeout=60)
-    assert refused.status_code == 400 and refused.json()["error"]["code"] in ("input_too_long",
-                                                                             "context_length_exceeded")
-    cut = requests.post(f"{base}/embed", json={"inputs": long_text, "truncate": True}, headers=auth, timeout=60)
-    assert cut.status_code == 200, cut.text[:300]
+    status, body = embed(served.port, {"input": long_text}, headers=auth)
+    assert status == 400 and body["error"]["code"] in ("input_too_long", "context_length_exceeded")
+    cut = json.dumps({"inputs": long_text, "truncate": True}).encode()
+    status, _, raw = request(served.port, "POST", "/embed", cut, {**auth, "Content-Type": "application/json"},
+                             timeout=60)
+    assert status == 200, raw[:300]
     # strict framing (vLLM's server alone would take this): both lengths at once is a 400
-    host, port = base.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
-                     + b"\r\nContent-Length: 14\r\nTransfer-Encoding: chunked\r\n\r\n" + b'{"input": "x"}')
-        assert sock.recv(64).startswith(b"HTTP/1.1 400 ")
+    smuggled = raw_exchange(served.port, b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + key.encode() + b"\r\nContent-Length: 14\r\nTransfer-Encoding: chunked\r\n\r\n"
+                            + b'{"input": "x"}')
+    assert statuses(smuggled) == [400]
 
 
-def test_vllm_image_exits_when_vllms_server_dies(docker_cli, hardened_vllm):
+def test_vllm_image_exits_when_vllms_server_dies(hardened_vllm):
     """The last test on the container: its vLLM child is killed, the server exits 70 (restart policies act)."""
-    name, _, _ = hardened_vllm
-    script = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q '^/opt/venv/bin/python -m "
-              "vllm.entrypoints' && kill -9 ${p#/proc/}; done; true")
-    run_docker(["exec", name, "sh", "-c", script], docker=docker_cli, timeout=30)
-    deadline = time.monotonic() + 60
-    state = {}
-    while time.monotonic() < deadline:
-        state = json.loads(run_docker(["inspect", "-f", "{{json .State}}", name], docker=docker_cli).stdout)
-        if state["Status"] == "exited":
-            break
-        time.sleep(0.5)
-    assert state.get("Status") == "exited" and state["ExitCode"] == 70, state
-    logs = run_docker(["logs", name], docker=docker_cli, check=False)
-    assert "the engine's server process exited" in logs.stdout + logs.stderr
+    served, _ = hardened_vllm
+    served.exec("sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q "
+                "'^/opt/venv/bin/python -m vllm.entrypoints' && kill -9 ${p#/proc/}; done; true")
+    state = served.wait_exited(60)
+    assert not state["Running"] and state["ExitCode"] == 70, state
+    assert "the engine's server process exited" in served.logs()

@@ -78,7 +78,8 @@ def test_artifact_engine_loads_without_tracing_and_matches_reference(artifact_en
     assert {"weights/config.json", "inductor-artifact.bin", "graph.json",
             "graph-tensors-00001.safetensors"} <= set(files)
     assert "weights/model.safetensors" not in files  # the graph tensors are the weights: not shipped twice
-    assert not any(f.startswith("inductor-cache/") for f in files)  # the artifact carries what it needs
+    # the cache a fresh load of the artifact writes, its kernels built at compile time
+    assert any(f.startswith("inductor-cache/") and f.endswith(".so") for f in files)
     manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
     assert manifest["form"] == "artifact" and manifest["artifact"]["check_cosine"] >= 0.99
     # Causal attention left no mask tensor in the graph, and cuDNN's SDPA was not allowed in.
@@ -109,6 +110,11 @@ def test_artifact_path_builds_no_module_and_imports_no_transformers(artifact_eng
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got == {"dim": 64, "path": "artifact", "transformers": False}
+    # nothing executable was written at start: every kernel came through a link into the engine dir
+    runtime = tmp_path / "rt" / "cache"
+    kernels = [p for p in runtime.rglob("*.so")]
+    assert kernels and all(p.is_symlink() for p in kernels), [p for p in kernels if not p.is_symlink()]
+    assert all(p.resolve().is_relative_to((out / "engine").resolve()) for p in kernels)
 
 
 def test_artifact_from_another_torch_falls_back_to_jit(artifact_engine, tmp_path, monkeypatch):

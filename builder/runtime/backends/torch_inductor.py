@@ -12,9 +12,11 @@ The compiled form (compile step, in the exact runtime image, on the target GPU):
    max-autotune-no-cudagraphs: Triton GEMM templates autotuned here, once), saved as one file with
    the generated code, the compiled Triton kernels and the autotune choices (inductor-artifact.bin);
 3. graph.json: the graph's inputs in order (parameters and buffers by name, then the user inputs).
-The graph's parameters, buffers and constants ship as safetensors shards named by graph input. At
-start the loader reads them straight to the device, loads the artifact into a writable cache dir
-(MOPT_COMPILE_CACHE_DIR or a temp dir) and calls it with the flat inputs: no nn.Module is built,
+The graph's parameters, buffers and constants ship as safetensors shards named by graph input, and
+so does the Inductor cache a fresh load of the artifact writes (inductor-cache/: its kernels built,
+so a start builds none). At start the loader reads the tensors straight to the device, loads the
+artifact over a writable mirror of that cache (links to the shipped files, in MOPT_COMPILE_CACHE_DIR
+or a temp dir: cachemirror.py) and calls it with the flat inputs: no nn.Module is built,
 transformers is not imported, Dynamo never runs. The artifact is bound to the exact torch build (torch checks its own
 source hash); if it does not load, the loader falls back to torch.compile at first call (slow but
 correct) and says so.
@@ -24,8 +26,9 @@ previous form instead: the Inductor/Triton caches written while torch.compile wa
 (inductor-cache/), which remove codegen and autotuning but not Dynamo's tracing at start.
 
 engine/ layout: artifact form: weights/config.json, graph.json, graph-tensors-*.safetensors (256 MB
-shards, so the guard hashes them in parallel), inductor-artifact.bin; cache form: weights/ (config
-+ safetensors), inductor-cache/**; both: compile_cache.json (the manifest). The guard hashes
+shards, so the guard hashes them in parallel), inductor-artifact.bin, inductor-cache/** (the load's);
+cache form: weights/ (config + safetensors), inductor-cache/** (the warm-up's); both:
+compile_cache.json (the manifest). The guard hashes
 every file; engine_sha256 is that of compile_cache.json, which lists them too.
 """
 from __future__ import annotations
@@ -34,6 +37,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 import torch._inductor
 
+from ..cachemirror import writable_mirror
 from ..causal_attention import attn_implementation
 from ..errors import UsageError
 from ..params import EngineParams
@@ -253,7 +259,17 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     dtype = DTYPES[params.precision]
     module = build_module(model_dir, params, dtype, params.device)
     cache = out_dir / CACHE_SUBDIR
-    _point_caches(cache)  # Inductor compiles through its caches; only the cache form ships them
+    scratch = Path(tempfile.mkdtemp(prefix="mopt-inductor-compile-"))
+    try:
+        return _compile(module, params, out_dir, cache, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compile(module, params: EngineParams, out_dir: Path, cache: Path, scratch: Path) -> dict:
+    # Inductor compiles through its caches: the artifact's compile in a scratch dir (what ships is
+    # the cache a fresh load writes, unpack_artifact), the cache form's warm-up in the shipped dir.
+    _point_caches(scratch)
     torch._dynamo.reset()
     artifact: dict = {"skipped": f"{ENV_ARTIFACT}=0"}
     warm: list[dict] = []
@@ -266,11 +282,12 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
             artifact = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
             log.warning("inductor artifact failed, shipping the cache form: %s", artifact["error"])
     if (out_dir / INDUCTOR_ARTIFACT).is_file():
-        shutil.rmtree(cache, ignore_errors=True)
         module.body.config.save_pretrained(out_dir / WEIGHTS_SUBDIR)  # the weights are the graph tensors
+        unpack_artifact(out_dir, params)
         form = "artifact"
     else:
         module.body.save_pretrained(out_dir / WEIGHTS_SUBDIR, safe_serialization=True, max_shard_size=SHARD_BYTES)
+        _point_caches(cache)
         torch._dynamo.reset()
         with torch._inductor.config.patch(_inductor_options(params.compile_mode)["config_patches"]):
             warm = _warm(lambda ids, mask: _call_dynamic(_compiled(module), ids, mask), params)
@@ -310,13 +327,48 @@ def prepare(device: str) -> None:
 
 
 def runtime_cache_dir(engine_dir: Path) -> Path:
+    """Inductor's cache dir for a load: a writable mirror of the shipped cache (links to its files,
+    cachemirror.py), so kernels load from the engine dir and nothing executable is written at start."""
     base = os.environ.get(ENV_RUNTIME_CACHE) or tempfile.mkdtemp(prefix="mopt-inductor-")
     dest = Path(base) / "cache"
     shutil.rmtree(dest, ignore_errors=True)
     if (engine_dir / CACHE_SUBDIR).is_dir():
-        shutil.copytree(engine_dir / CACHE_SUBDIR, dest)  # inductor writes into its cache dir
+        return writable_mirror(engine_dir / CACHE_SUBDIR, dest)
     dest.mkdir(parents=True, exist_ok=True)
     return dest
+
+
+# Run by unpack_artifact in a child: the served load, into an empty cache dir, and one call.
+_UNPACK = """
+import importlib, json, sys
+backend = importlib.import_module(sys.argv[3])
+common = importlib.import_module(sys.argv[3].rpartition(".")[0] + ".torch_common")
+params = backend.EngineParams.from_dict(json.loads(sys.argv[2]))
+run = backend.load(sys.argv[1], params)
+run(*common.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
+print("LOADED", backend.LAST_LOAD_PATH)
+"""
+
+
+def unpack_artifact(out_dir: Path, params: EngineParams) -> None:
+    """Ship the Inductor cache that loading the artifact writes (its kernels compiled, the Python
+    wrappers written) as CACHE_SUBDIR: a start then finds every kernel there, so it runs no compiler
+    and writes nothing executable (a noexec /tmp is enough), and it skips the load's kernel builds.
+    Made by the served load itself, in a fresh process, so the cache keys are the ones a start asks for."""
+    work = Path(tempfile.mkdtemp(prefix="mopt-inductor-unpack-"))
+    try:
+        # this module by its own name (builder.runtime... here, mopt_runtime... in images), from the dir above it
+        root = Path(__file__).resolve().parents[len(__name__.split(".")) - 1]
+        env = dict(os.environ, **{ENV_RUNTIME_CACHE: str(work)},
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run([sys.executable, "-c", _UNPACK, str(out_dir), json.dumps(params.to_dict()), __name__],
+                              capture_output=True, text=True, env=env, timeout=1800)
+        if proc.returncode != 0 or "LOADED artifact" not in proc.stdout:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"loading the artifact in a fresh process failed ({tail}); no engine shipped")
+        shutil.copytree(work / "cache", out_dir / CACHE_SUBDIR, ignore=shutil.ignore_patterns("locks", "*.lock"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _module(engine_dir: Path, params: EngineParams, tensors: dict[str, torch.Tensor] | None = None):
@@ -359,7 +411,9 @@ def load(engine_dir: str | Path, params: EngineParams):
         inductor_config.compile_threads = inductor_config.decide_compile_threads()  # compiling after all
         compiled = _compiled(_module(engine_dir, params, tensors))
         fn = lambda ids, mask: _call_dynamic(compiled, ids, mask)  # noqa: E731
-        LAST_LOAD_PATH = "cache" if (engine_dir / CACHE_SUBDIR).is_dir() else "jit"
+        # the cache form's warm-up cache; an artifact that did not load compiles anew ("jit")
+        cache_form = (engine_dir / CACHE_SUBDIR).is_dir() and not (engine_dir / INDUCTOR_ARTIFACT).is_file()
+        LAST_LOAD_PATH = "cache" if cache_form else "jit"
     if os.environ.get(ENV_WARM_AT_LOAD, "0") == "1":
         _warm(fn, params)  # else the first request pays the one-time costs
     device = params.device

@@ -25,6 +25,7 @@ import urllib.request
 from array import array
 from pathlib import Path
 
+from ..cachemirror import writable_mirror
 from ..errors import UsageError
 from ..params import EngineParams
 
@@ -279,9 +280,8 @@ def _cache_for_serving(shipped: Path) -> Path:
     - A user's own VLLM_CACHE_ROOT: used as it is (vLLM fills it).
     - Otherwise the shipped cache itself. vLLM's Inductor takes lock files and may add entries
       there at every start, so when the directory is not writable (a read-only root, the engine
-      owned by root) the server gets a writable mirror in the temp dir: directories made, files
-      linked to the shipped ones. Compiled kernels are then loaded through the links from the image's
-      own file system, so a noexec /tmp is enough."""
+      owned by root) the server gets a writable mirror in the temp dir (cachemirror.py), so a noexec
+      /tmp is enough."""
     import shutil
 
     work = _serve_root(shipped)
@@ -293,24 +293,8 @@ def _cache_for_serving(shipped: Path) -> Path:
         shutil.copytree(shipped, work, symlinks=True)
     if os.access(work, os.W_OK):
         return work
-    return _writable_mirror(work)
-
-
-def _writable_mirror(root: Path) -> Path:
-    import shutil
-    import tempfile
-
-    mirror = Path(tempfile.mkdtemp(prefix="mopt-vllm-cache-"))
-    atexit.register(shutil.rmtree, mirror, True)
-    for directory, subdirs, files in os.walk(root):
-        rel = Path(directory).relative_to(root)
-        for name in subdirs:
-            (mirror / rel / name).mkdir()
-        for name in files:
-            # Lock files are made afresh: filelock opens them with O_NOFOLLOW, so a link fails.
-            if not (name.endswith(".lock") or "locks" in rel.parts):
-                (mirror / rel / name).symlink_to(Path(directory) / name)
-    log.info("the shipped vLLM cache %s is not writable: serving it through links in %s", root, mirror)
+    mirror = writable_mirror(work, prefix="mopt-vllm-cache-")
+    log.info("the shipped vLLM cache %s is not writable: serving it through links in %s", work, mirror)
     return mirror
 
 
