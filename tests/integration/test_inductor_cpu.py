@@ -65,7 +65,7 @@ def test_inductor_image_serves_hardened_and_writes_no_kernel(docker_cli, inducto
     """Read-only root, plain (noexec) /tmp, no capabilities: the shipped kernels load through links."""
     _, report = inductor_release
     row = next(v for v in report["variants"] if v["id"] == VARIANT)
-    served = ServedContainer(docker_cli, row["image_id"], docker_args=("--user", "4242:4242"))
+    served = ServedContainer(docker_cli.path, row["image_id"], docker_args=("--user", "4242:4242"))
     try:
         served.start(health_timeout_s=240)
         status, body = embed(served.port, {"input": ["a", "bb"]})

@@ -77,7 +77,7 @@ def hardened_vllm(docker_cli, released):
     row = next(v for v in report["variants"] if v["id"] == VARIANT)
     key = "vllm-test-key-" + uuid.uuid4().hex
     # vLLM's own start is ~35 s on this 2-core machine; 3g: vLLM's two processes plus the worker
-    served = ServedContainer(docker_cli, row["image_id"], memory="3g", env={"MOPT_API_KEY": key},
+    served = ServedContainer(docker_cli.path, row["image_id"], memory="3g", env={"MOPT_API_KEY": key},
                              docker_args=("--user", "4242:4242"))
     try:
         yield served.start(health_timeout_s=240), key

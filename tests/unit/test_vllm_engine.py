@@ -11,6 +11,7 @@ import struct
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -262,3 +263,16 @@ def test_base64_rows_decode_to_float32():
     flat = array("f")
     flat.frombytes(base64.b64decode(encoded))
     assert flat.tolist() == vec
+
+
+def test_writable_mirror_at_a_given_dir(tmp_path):
+    """torch-inductor's form: the mirror at MOPT_COMPILE_CACHE_DIR/cache, links to resolved paths."""
+    from builder.runtime.cachemirror import writable_mirror
+
+    shipped = _shipped(tmp_path)
+    (tmp_path / "alias").symlink_to(shipped)
+    dest = tmp_path / "rt" / "cache"
+    assert writable_mirror(tmp_path / "alias", dest) == dest
+    kernel = dest / "torchinductor" / "ab" / "kernel.so"
+    assert kernel.is_symlink() and Path(os.readlink(kernel)) == shipped.resolve() / "torchinductor" / "ab" / "kernel.so"
+    assert not any((dest / "torchinductor" / "locks").iterdir())
