@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import fingerprint
-from .backends import get_backend
+from .backends import backend_info, get_backend
 from .params import SEQ_BUCKET, EngineParams
 from .tokenization import TextEncoder
 
@@ -19,6 +19,35 @@ def engine_encoder(out_dir: str | Path, params: EngineParams) -> TextEncoder:
 def bucket_len(n: int, max_seq_len: int) -> int:
     # Round up to a multiple of SEQ_BUCKET (>= 2: the export's lower bound), capped at max_seq_len.
     return min(max(SEQ_BUCKET, -(-n // SEQ_BUCKET) * SEQ_BUCKET), max_seq_len)
+
+
+# What one more engine call costs, in padded tokens: a fixed cost per call (launches, the wrapper,
+# padding the inputs) over the engine's time per token. On the CPU a call costs about as much as a
+# few dozen tokens, so a batch of mixed lengths is best cut into calls of similar lengths; on a GPU
+# a call costs ~5 ms (batch-1 latency on the H200), thousands of tokens, so batches stay whole
+# unless their lengths differ a lot.
+CALL_COST_TOKENS = {"cpu": 32, "cuda": 2048}
+UNPADDED_CALL_COST = 1 << 40  # a backend that drops padding itself: as few calls as max_batch allows
+
+
+def plan_calls(lengths: list[int], max_rows: int, max_seq_len: int, call_cost: int) -> list[tuple[int, int]]:
+    """Cut sequences sorted by length into engine calls [start, end) of at most max_rows, with the
+    least padded tokens plus call_cost per call (a shortest path over the cut points: exact, and
+    O(len * max_rows))."""
+    n = len(lengths)
+    best = [0] + [None] * n  # best[end]: the least cost of calls covering lengths[:end]
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        padded = bucket_len(lengths[end - 1], max_seq_len)  # sorted: the call's longest is its last
+        for start in range(max(0, end - max_rows), end):
+            cost = best[start] + (end - start) * padded + call_cost
+            if best[end] is None or cost < best[end]:
+                best[end], cut[end] = cost, start
+    calls, end = [], n
+    while end > 0:
+        calls.append((cut[end], end))
+        end = cut[end]
+    return calls[::-1]
 
 
 @dataclass
@@ -69,12 +98,14 @@ class Engine:
         if too_long:
             raise ValueError(f"inputs {too_long} exceed the engine's max_seq_len {self.params.max_seq_len}")
         out = torch.empty(len(seqs), self.dim, dtype=torch.float32)
-        # Group similar lengths so padding stays small; each group is at most max_batch rows.
+        # Sorted by length and cut into calls of similar lengths (plan_calls): padding stays small.
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        step = self.params.max_batch
-        for start in range(0, len(order), step):
-            idx = order[start:start + step]
-            length = bucket_len(max(len(seqs[i]) for i in idx), self.params.max_seq_len)
+        lengths = [len(seqs[i]) for i in order]
+        cost = (UNPADDED_CALL_COST if backend_info(self.params.backend).unpadded
+                else CALL_COST_TOKENS.get(self.params.device, CALL_COST_TOKENS["cuda"]))
+        for start, end in plan_calls(lengths, self.params.max_batch, self.params.max_seq_len, cost):
+            idx = order[start:end]
+            length = bucket_len(lengths[end - 1], self.params.max_seq_len)
             batch = self.encoder.pad([seqs[i] for i in idx], length)
             emb = self.run(torch.tensor(batch.input_ids, dtype=torch.long),
                            torch.tensor(batch.attention_mask, dtype=torch.long))

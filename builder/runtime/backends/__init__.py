@@ -59,6 +59,7 @@ class BackendInfo:
     prepares: bool  # prepare() does start-up work worth overlapping with the guard's hashing
     precisions: tuple[str, ...] = FLOAT_PRECISIONS  # what --precision may be
     causal_attention: bool = False  # takes --attention causal (right padding, SDPA's is_causal)
+    unpadded: bool = False  # drops the padding itself (vLLM packs sequences): calls are cut by row count only
 
 
 # The one place a backend is registered (the host side describes it in builder/data/backends/<name>.yaml).
@@ -72,7 +73,8 @@ BACKENDS: dict[str, BackendInfo] = {
                             precisions=(*FLOAT_PRECISIONS, "int8", "fp8")),
     "tensorrt-llm": BackendInfo(module="tensorrt_llm", own_server=True, version_is_torch=False, prepares=False),
     # vLLM's own server runs behind mopt's, as the engine (load starts it): one API for every flavour.
-    "vllm": BackendInfo(module="vllm_backend", own_server=False, version_is_torch=False, prepares=False),
+    "vllm": BackendInfo(module="vllm_backend", own_server=False, version_is_torch=False, prepares=False,
+                        unpadded=True),
 }
 
 
