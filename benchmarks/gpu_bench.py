@@ -80,6 +80,8 @@ def parse_args(argv=None):
                         "interval, ! for the engine in the server process (serve --no-engine-process)")
     p.add_argument("--skip", default="", help="sections to leave out: start,guard,accuracy,server")
     p.add_argument("--profile", action="store_true", help="top CUDA kernels of eager and of each engine")
+    p.add_argument("--call-costs", default="", help="engine call costs in tokens to time mixed traffic with, e.g. "
+                   "0,512,2048,max (engine.plan_calls; max: calls of max_batch rows)")
     a = p.parse_args(argv)
     if a.device == "cpu" and a.precision != "fp32":
         p.error("--device cpu needs --precision fp32")
@@ -178,14 +180,28 @@ print("CHILD " + json.dumps(res), flush=True)
 '''
 
 
+def _lengths(kind: str, seq: int, texts: int, rng) -> list[int]:
+    """uniform: 8..seq; lognormal: median 58 tokens, sigma 1.0, clipped to 8..seq (embedding traffic)."""
+    import math
+
+    if kind == "uniform":
+        return [rng.randint(8, seq) for _ in range(texts)]
+    return [min(seq, max(8, round(rng.lognormvariate(math.log(58), 1.0)))) for _ in range(texts)]
+
+
 def mixed_workload(eng, seq: int, texts: int = 512) -> dict:
-    """Mixed-length traffic through Engine.embed_ids (length-sorted batches of at most max_batch, each
-    padded to its length bucket, as serve batches): texts of 8..seq random ids (seed 0), after one
-    batch of them; tokens/s of a first pass (shapes this process has not run yet) and of a second."""
+    """Mixed-length traffic through Engine.embed_ids (length-sorted, cut into engine calls by
+    engine.plan_calls, each padded to its length bucket, as serve batches): texts of 8..seq random ids
+    (seed 0), after one batch of them; tokens/s of a first pass (shapes this process has not run yet)
+    and of a second. MOPT_BENCH_CALL_COSTS (gpu_bench --call-costs) adds second passes of the uniform
+    and a log-normal workload for each engine call cost, in tokens ("max": calls of max_batch rows)."""
+    import os
     import random
 
+    from builder.runtime import engine as engine_module
+
     rng = random.Random(0)
-    seqs = [[rng.randrange(2, 500) for _ in range(rng.randint(8, seq))] for _ in range(texts)]
+    seqs = [[rng.randrange(2, 500) for _ in range(n)] for n in _lengths("uniform", seq, texts, rng)]
     eng.embed_ids(seqs[:64])
     res = {}
     for key in ("mixed_first_pass_tok_s", "mixed_tok_s"):
@@ -193,6 +209,23 @@ def mixed_workload(eng, seq: int, texts: int = 512) -> dict:
         eng.embed_ids(seqs)
         res[key] = round(sum(map(len, seqs)) / (time.monotonic() - t))
     res["mixed_texts"] = len(seqs)
+    costs = [c for c in os.environ.get("MOPT_BENCH_CALL_COSTS", "").split(",") if c]
+    if costs:
+        lognormal = [[rng.randrange(2, 500) for _ in range(n)] for n in _lengths("lognormal", seq, texts, rng)]
+        table = engine_module.CALL_COST_TOKENS
+        saved = dict(table)
+        try:
+            for name, work in (("uniform", seqs), ("lognormal", lognormal)):
+                eng.embed_ids(work)  # its shapes once, so every cost below runs warm
+                for cost in costs:
+                    table[eng.params.device] = engine_module.UNPADDED_CALL_COST if cost == "max" else int(cost)
+                    t = time.monotonic()
+                    eng.embed_ids(work)
+                    tok_s = round(sum(map(len, work)) / (time.monotonic() - t))
+                    res.setdefault(f"{name}_by_call_cost", {})[cost] = tok_s
+        finally:
+            table.update(saved)
+        res["lognormal_median_tokens"] = sorted(map(len, lognormal))[len(lognormal) // 2]
     return res
 
 
@@ -494,6 +527,8 @@ def server_bench(engine_dir: Path, a, fmt: str = "float", env: dict | None = Non
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.call_costs:
+        os.environ["MOPT_BENCH_CALL_COSTS"] = a.call_costs  # read by mixed_workload in the engine children
     sys.path.insert(0, str(REPO))
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
