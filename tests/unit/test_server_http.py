@@ -1002,15 +1002,6 @@ def test_main_exits_with_serves_code(monkeypatch):
     assert cli.main(["serve", "--engine-dir", "e"]) == srv.EXIT_ENGINE_DIED
 
 
-def test_vllm_gets_the_key_by_environment_and_origins_as_json():
-    from builder.runtime.backends import vllm_backend as vb
-
-    argv, env = vb.http_settings(HttpOptions(api_key=KEY, cors_origins=("https://a.example",)))
-    assert argv == ["--allowed-origins", '["https://a.example"]'] and env == {"VLLM_API_KEY": KEY}
-    assert KEY not in " ".join(argv)  # never on a command line that ps shows
-    assert vb.http_settings(HttpOptions()) == ([], {}) and vb.http_settings(None) == ([], {})
-
-
 def test_trtllm_refuses_a_key_it_cannot_enforce():
     from builder.runtime.backends import tensorrt_llm as tl
     from builder.runtime.errors import UsageError
