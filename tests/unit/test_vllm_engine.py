@@ -79,13 +79,18 @@ def stub_server(tmp_path, monkeypatch):
 
     yield start
     for server in servers:
-        server.stop()
+        server.close()
 
 
 def test_client_sends_token_ids_with_its_key_and_orders_rows(stub_server):
     server = stub_server()
     assert server.embed([[5, 6, 7], [9]]) == [[3.0, 5.0], [1.0, 9.0]]
     assert server.embed([[1]] * 3) == [[1.0, 1.0]] * 3  # the kept connection serves the next batch
+    import torch
+
+    ids = torch.tensor([[5, 6, 7, 0], [9, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert server(ids, mask).tolist() == [[3.0, 5.0], [1.0, 9.0]]  # the engine call: padding dropped
     # the key is in the child's environment, never on its command line
     assert not any(server._key in arg for arg in server.proc.args)
 

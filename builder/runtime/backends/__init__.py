@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # params validates against this registry: no import cycle at 
 
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 
-# Embeddings for a padded batch: (input_ids, attention_mask) -> float32 [batch, dim].
+# Embeddings for a padded batch: (input_ids, attention_mask) -> float32 [batch, dim]. A call backed by a
+# server child (vllm's Server) also has alive(), exitcode() and close(), which engine.Engine passes on.
 EngineCall = Callable[[Any, Any], Any]
 
 

@@ -17,11 +17,9 @@ start.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
-import sys
 import zipfile
 from contextlib import nullcontext
 from pathlib import Path
@@ -31,7 +29,15 @@ import torch
 from ..errors import UsageError
 from ..params import EngineParams
 from ..sdpa import sdpa_kernels, sdpa_summary
-from .torch_common import DTYPES, build_module, eager_reference, export_graph, inductor_options, tuned_example
+from .torch_common import (
+    DTYPES,
+    build_module,
+    eager_reference,
+    export_graph,
+    inductor_options,
+    load_in_fresh_process,
+    tuned_example,
+)
 
 PACKAGE = "model.pt2"  # written by the compile step, unpacked, then removed (engines of older builds keep it)
 UNPACKED = "aoti"  # engine/aoti/: the package's model files (the .so, its metadata, CUDA kernel binaries)
@@ -92,26 +98,10 @@ def unpack(package: Path, dest: Path) -> Path:
     return libraries[0]
 
 
-# Run by check_loads_fresh in a child: load the package the way load() does, call it once.
-_LOAD_CHECK = """
-import importlib, json, sys
-torch_aot = importlib.import_module(sys.argv[3])
-common = importlib.import_module(sys.argv[3].rpartition(".")[0] + ".torch_common")
-params = torch_aot.EngineParams.from_dict(json.loads(sys.argv[2]))
-run = torch_aot.load(sys.argv[1], params)  # the engine dir, as served
-out = run(*common.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
-print("LOADED", tuple(out.shape))
-"""
-
-
 def check_loads_fresh(engine_dir: Path, params: EngineParams) -> None:
     """Load the engine and call it in a fresh process: a crash there must fail the build, not the
     first container start."""
-    # this module by its own name (builder.runtime... here, mopt_runtime... in images), from the dir above it
-    root = Path(__file__).resolve().parents[len(__name__.split(".")) - 1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(engine_dir), json.dumps(params.to_dict()),
-                           __name__], capture_output=True, text=True, env=env, timeout=900)
+    proc = load_in_fresh_process(__name__, engine_dir, params)
     if proc.returncode == 0 and "LOADED" in proc.stdout:
         return
     how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"

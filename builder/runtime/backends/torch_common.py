@@ -1,14 +1,17 @@
 """What the torch backends share (torch-aot, torch-inductor; tensorrt exports ONNX from the same module
 and every backend's accuracy reference is the eager model): building the embedding module, the
 example inputs whose sizes Inductor tunes for, torch.export with dynamic dims, Inductor options and
-the fp32 eager reference.
+the fp32 eager reference, and loading an engine in a fresh process.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -150,3 +153,28 @@ def eager_reference(model_dir: str, texts: list[str], params: EngineParams) -> l
             t = torch.tensor([ids], dtype=torch.long)
             out.append(module(t, torch.ones_like(t))[0].tolist())
     return out
+
+
+# Run by load_in_fresh_process in a child: a backend's load() of an engine dir, as served, called once.
+_FRESH_LOAD = """
+import importlib, json, sys
+backend = importlib.import_module(sys.argv[3])
+common = importlib.import_module(sys.argv[3].rpartition(".")[0] + ".torch_common")
+params = backend.EngineParams.from_dict(json.loads(sys.argv[2]))
+run = backend.load(sys.argv[1], params)
+out = run(*common.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
+print("LOADED", getattr(backend, "LAST_LOAD_PATH", None), tuple(out.shape))
+"""
+
+
+def load_in_fresh_process(backend_module: str, engine_dir: Path, params: EngineParams, env: dict | None = None,
+                          timeout: float = 900) -> subprocess.CompletedProcess:
+    """BACKEND_MODULE's load() of ENGINE_DIR and one call, in a fresh interpreter: a crash or a build at
+    load shows at compile time, not at a container's start. Its stdout has "LOADED <LAST_LOAD_PATH>
+    <shape>" when the call returned. The module goes by its own name (builder.runtime... here,
+    mopt_runtime... in images), importable from the dir above the package."""
+    root = Path(__file__).resolve().parents[len(__name__.split(".")) - 1]
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", _FRESH_LOAD, str(engine_dir), json.dumps(params.to_dict()),
+                           backend_module], capture_output=True, text=True, env=env, timeout=timeout)

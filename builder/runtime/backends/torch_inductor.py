@@ -37,8 +37,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +57,7 @@ from .torch_common import (
     example_inputs,
     export_graph,
     inductor_options,
+    load_in_fresh_process,
     tune_shape,
     wrap_body,
 )
@@ -338,18 +337,6 @@ def runtime_cache_dir(engine_dir: Path) -> Path:
     return dest
 
 
-# Run by unpack_artifact in a child: the served load, into an empty cache dir, and one call.
-_UNPACK = """
-import importlib, json, sys
-backend = importlib.import_module(sys.argv[3])
-common = importlib.import_module(sys.argv[3].rpartition(".")[0] + ".torch_common")
-params = backend.EngineParams.from_dict(json.loads(sys.argv[2]))
-run = backend.load(sys.argv[1], params)
-run(*common.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
-print("LOADED", backend.LAST_LOAD_PATH)
-"""
-
-
 def unpack_artifact(out_dir: Path, params: EngineParams) -> None:
     """Ship the Inductor cache that loading the artifact writes (its kernels compiled, the Python
     wrappers written) as CACHE_SUBDIR: a start then finds every kernel there, so it runs no compiler
@@ -357,12 +344,7 @@ def unpack_artifact(out_dir: Path, params: EngineParams) -> None:
     Made by the served load itself, in a fresh process, so the cache keys are the ones a start asks for."""
     work = Path(tempfile.mkdtemp(prefix="mopt-inductor-unpack-"))
     try:
-        # this module by its own name (builder.runtime... here, mopt_runtime... in images), from the dir above it
-        root = Path(__file__).resolve().parents[len(__name__.split(".")) - 1]
-        env = dict(os.environ, **{ENV_RUNTIME_CACHE: str(work)},
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
-        proc = subprocess.run([sys.executable, "-c", _UNPACK, str(out_dir), json.dumps(params.to_dict()), __name__],
-                              capture_output=True, text=True, env=env, timeout=1800)
+        proc = load_in_fresh_process(__name__, out_dir, params, env={ENV_RUNTIME_CACHE: str(work)}, timeout=1800)
         if proc.returncode != 0 or "LOADED artifact" not in proc.stdout:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"loading the artifact in a fresh process failed ({tail}); no engine shipped")

@@ -146,7 +146,7 @@ class Server:
         # The key travels in the environment, never on a command line that `ps` shows.
         env = {**serve_env(cache_root, params), "VLLM_API_KEY": self._key}
         self.proc = subprocess.Popen(argv, env=env, stdout=sys.stderr, stderr=sys.stderr)
-        atexit.register(self.stop)
+        atexit.register(self.close)
         self.start_seconds = self._wait(timeout)
 
     def _wait(self, timeout: float) -> float:
@@ -161,11 +161,23 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.5)
-        self.stop()
+        self.close()
         raise RuntimeError(f"vLLM's server did not answer /health within {timeout:.0f}s")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def exitcode(self) -> int | None:
+        return self.proc.returncode
+
+    def __call__(self, input_ids, attention_mask):
+        """The engine call (backends.EngineCall): padded token ids -> float32 [batch, dim]; vLLM gets
+        each row without its padding."""
+        import torch
+
+        seqs = [[int(t) for t, m in zip(row, mask, strict=True) if m]
+                for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]
+        return torch.tensor(self.embed(seqs), dtype=torch.float32)
 
     def embed(self, inputs: list) -> list[list[float]]:
         """inputs: strings or lists of token ids (the OpenAI API takes both). Vectors come back as
@@ -202,7 +214,7 @@ class Server:
                     raise
         raise AssertionError("unreachable")
 
-    def stop(self) -> None:
+    def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -255,7 +267,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     try:
         probe = server.embed(["warm-up", "a second, longer warm-up input for the engine"])
     finally:
-        server.stop()
+        server.close()
     if not _hash_dirs(work):
         raise RuntimeError(f"vLLM wrote no torch.compile cache under {work}")
     if work != shipped:
@@ -301,9 +313,7 @@ def _cache_for_serving(shipped: Path) -> Path:
 def load(engine_dir: str | Path, params: EngineParams):
     """vLLM's server over the shipped cache (_cache_for_serving says where), as the engine behind
     mopt's server and the compile's verify step. Warns when that start writes into the cache (part
-    of the compile was not reused). The callable's alive() and close() reach the server child."""
-    import torch
-
+    of the compile was not reused). The Server is the engine call (and its alive, exitcode, close)."""
     engine_dir = Path(engine_dir)
     work = _cache_for_serving(engine_dir / CACHE_SUBDIR)
     before = _snapshot(work)
@@ -314,15 +324,7 @@ def load(engine_dir: str | Path, params: EngineParams):
     if written:
         log.warning("a start over the shipped vLLM cache wrote %d file(s) into it, e.g. %s: part of the "
                     "compile was not reused", len(written), written[:3])
-
-    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        seqs = [[int(t) for t, m in zip(row, mask, strict=True) if m]
-                for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]
-        return torch.tensor(server.embed(seqs), dtype=torch.float32)
-
-    run.alive, run.close = server.alive, server.stop
-    run.exitcode = lambda: server.proc.returncode
-    return run
+    return server
 
 
 def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
