@@ -5,9 +5,11 @@ mopt export writes a directory (or a .tar of it):
   images/<image>_<tag>.tar   the final image, as a docker archive (or OCI archive with --format oci)
   sbom/<image>_<tag>.cdx.json  CycloneDX SBOM from the image's own package lists (dpkg, pip)
   report.json, mopt.lock.json  when present
+  models/<hub>/ORG--NAME/<commit>/  the hub models the images were built from (the state dir's model
+                         cache layout), so the site can rebuild with the lock and no hub
   SHA256SUMS             sha256 of every other file
 mopt install BUNDLE verifies the checksums, loads the images, checks they are the exported ones,
-checks the host, and runs each image's smoke test locally.
+checks the host, runs each image's smoke test locally, and puts the models into the site's model cache.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
-from . import __version__
+from . import __version__, hubs
 from .dockerclient import DockerCli, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem, SmokeTestError
 from .hashing import dump_json, sha256_file
+from .models import HUB_KINDS
 from .plan import Variant
+from .recipe import ModelSource
 from .state import StateDir, VariantRecord
 
 Log = Callable[[str], None]
@@ -101,6 +105,7 @@ def export(variants: list[tuple[Variant, VariantRecord, dict]], out: Path, *, st
                                       "sm": variant.resolved.get("sm"),
                                       "min_driver": variant.resolved.get("min_driver"),
                                       "smoke": smoke})
+        index["models"] = _export_models([record for _, record, _ in variants], state, root, log)
         for name, source in (("report.json", state.reports / "latest.json"),
                              ("mopt.lock.json", Path("mopt.lock.json"))):
             if source.is_file():
@@ -116,6 +121,20 @@ def export(variants: list[tuple[Variant, VariantRecord, dict]], out: Path, *, st
         else:
             shutil.move(str(root), out)
     return out
+
+
+def _export_models(records: list[VariantRecord], state: StateDir, root: Path, log: Log) -> list[dict]:
+    """Copy each hub model the images hold (at the commit they were built from) into models/."""
+    entries = {}
+    for record in records:
+        source = ModelSource.parse(record.model.source)
+        if source.kind not in HUB_KINDS or record.model.substituted or record.model.source in entries:
+            continue
+        repo, commit = hubs.parse_ref(source.ref)
+        path = hubs.copy_out(state.models, source.kind, repo, commit, root / "models")
+        log(f"export model {record.model.source} -> {path.relative_to(root)}")
+        entries[record.model.source] = {"source": record.model.source, "path": path.relative_to(root).as_posix()}
+    return list(entries.values())
 
 
 def verify(root: Path) -> dict:
@@ -154,7 +173,7 @@ def _extract(bundle: Path, into: Path) -> Path:
     return root
 
 
-def install(bundle: Path, *, smoke: bool = True, log: Log = print) -> list[dict]:
+def install(bundle: Path, *, smoke: bool = True, state_dir: Path | None = None, log: Log = print) -> list[dict]:
     from .doctor import inspect_host
     from .smoke import SmokeSpec, smoke_test
 
@@ -207,4 +226,6 @@ def install(bundle: Path, *, smoke: bool = True, log: Log = print) -> list[dict]
                 outcome["smoke"] = "passed"
                 log(f"{entry['id']}: smoke test passed on this host (cosine {result.min_cosine:.5f})")
             results.append(outcome)
+        if state_dir is not None and (root / "models").is_dir():
+            hubs.copy_in(root / "models", StateDir(state_dir).models, log)
         return results

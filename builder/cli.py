@@ -454,11 +454,13 @@ def export_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path, out: 
 @cli.command("install")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--no-smoke", is_flag=True, help="Load and verify only; skip the local smoke test.")
-def install_cmd(bundle: Path, no_smoke: bool) -> None:
-    """Verify a bundle's checksums, load its images, check the host, smoke-test each image here."""
+@state_option
+def install_cmd(bundle: Path, no_smoke: bool, state_dir: Path) -> None:
+    """Verify a bundle's checksums, load its images, check the host, smoke-test each image here, and put
+    the bundle's hub models into the state dir's model cache (for rebuilding with the lock, offline)."""
     from .bundle import install
 
-    results = install(bundle, smoke=not no_smoke, log=click.echo)
+    results = install(bundle, smoke=not no_smoke, state_dir=state_dir, log=click.echo)
     for r in results:
         click.echo(f"{r['id']}: loaded, smoke test {r['smoke']}")
 

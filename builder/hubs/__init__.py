@@ -231,3 +231,53 @@ def card_license(model_dir: Path) -> str | None:
         return None
     value = data.get("license") if isinstance(data, dict) else None
     return value if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9.+-]{1,64}", value) else None
+
+
+def copy_out(cache: Path, scheme: str, repo: str, commit: str, dest: Path) -> Path:
+    """The cached commit, and the refs that named it, copied to dest/<scheme>/ORG--NAME/ (an export
+    bundle's models/), so an air-gapped site can rebuild without any hub."""
+    home = _home(cache, scheme, repo)
+    if not COMMIT.match(commit) or not (home / commit / MANIFEST).is_file():
+        raise ConfigError(f"{scheme}://{repo}@{commit[:40]} is not in the model cache ({home}); build the "
+                          "variant here again before exporting it")
+    out = _home(dest, scheme, repo)
+    shutil.copytree(home / commit, out / commit, dirs_exist_ok=True)
+    for ref in sorted((home / "refs").glob("*")):
+        if ref.is_file() and ref.read_text().strip() == commit:
+            (out / "refs").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ref, out / "refs" / ref.name)
+    return out / commit
+
+
+def copy_in(src: Path, cache: Path, log: Log) -> list[str]:
+    """A bundle's models/ tree into the cache. Each commit is checked against its manifest and placed
+    whole; one already complete in the cache is kept. Refs are added where the cache has none of that
+    name (a site's own later resolution wins). Returns the sources placed or found."""
+    placed = []
+    for scheme_dir in sorted(p for p in src.iterdir() if p.is_dir()):
+        if scheme_dir.name not in ("hf", "modelscope"):
+            raise ConfigError(f"bundle models/{scheme_dir.name}: not a hub this mopt knows (hf, modelscope)")
+        for repo_dir in sorted(p for p in scheme_dir.iterdir() if p.is_dir()):
+            home = cache / scheme_dir.name / repo_dir.name
+            where = f"{scheme_dir.name}://{repo_dir.name.replace('--', '/', 1)}"
+            for commit_dir in sorted(p for p in repo_dir.iterdir() if p.is_dir() and COMMIT.match(p.name)):
+                manifest = commit_dir / MANIFEST
+                if not manifest.is_file() or json.loads(manifest.read_text()) != tree_sha256(commit_dir):
+                    raise ConfigError(f"bundle's {where}@{commit_dir.name} does not match its own file list")
+                target = home / commit_dir.name
+                if (target / MANIFEST).is_file():
+                    log(f"model cache: {where}@{commit_dir.name[:12]} already here")
+                else:
+                    staging = home / f"{commit_dir.name}.import"
+                    shutil.rmtree(staging, ignore_errors=True)
+                    shutil.copytree(commit_dir, staging)
+                    shutil.rmtree(target, ignore_errors=True)
+                    staging.rename(target)  # whole, or absent
+                    log(f"model cache: {where}@{commit_dir.name[:12]} -> {target}")
+                placed.append(f"{where}@{commit_dir.name}")
+            for ref in sorted((repo_dir / "refs").glob("*")):
+                mine = home / "refs" / ref.name
+                if ref.is_file() and COMMIT.match(ref.read_text().strip()) and not mine.exists():
+                    mine.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(ref, mine)
+    return placed

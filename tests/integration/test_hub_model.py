@@ -107,3 +107,35 @@ def test_the_token_is_in_no_image_log_or_report(docker_cli, hub_release):
                  *(STATE / "variants").rglob("*.json")]:
         if path.is_file():
             assert TOKEN not in path.read_text(errors="replace"), path
+
+
+def test_the_export_bundle_carries_the_model_to_an_air_gapped_site(docker_cli, hub_release, tmp_path):
+    """The bundle holds the hub model at its commit (no token); installing it fills a fresh state dir's
+    model cache, from which the hub model is found with the hubs off."""
+    sha, _, _, _ = hub_release
+    (tmp_path / "work").mkdir()
+    work = _workdir(tmp_path / "work")
+    out = tmp_path / "bundle"
+    with HubStub() as hub:  # export asks no hub; a stub that would answer shows it was not asked
+        exported = _mopt(work, hub, "export", "--select", VARIANT, "--out", str(out))
+        assert exported.returncode == 0, exported.stderr[-2000:]
+        assert hub.requests == []
+    model = out / "models" / "hf" / HUB_REPO.replace("/", "--")
+    assert (model / sha / "model.safetensors").is_file() and (model / "refs" / "main").read_text().strip() == sha
+    index = json.loads((out / "bundle.json").read_text())
+    assert index["models"] == [{"source": f"hf://{HUB_REPO}@{sha}", "path": f"models/hf/{model.name}/{sha}"}]
+    for path in out.rglob("*"):
+        if path.is_file() and path.stat().st_size < 50_000_000:
+            assert TOKEN.encode() not in path.read_bytes(), path
+    site = tmp_path / "site-state"
+    env = dict(os.environ, MOPT_OFFLINE="1", HF_HUB_OFFLINE="1")
+    installed = subprocess.run([sys.executable, "-m", "builder", "install", str(out), "--no-smoke",
+                                "--state-dir", str(site)], env=env, capture_output=True, text=True, timeout=1200)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    assert f"model cache: hf://{HUB_REPO}@{sha[:12]} -> {site / 'models'}" in installed.stdout
+    from builder import hubs
+    from builder.hubs.huggingface import HuggingFace
+
+    offline = HuggingFace(hubs.HubSettings(endpoint="http://127.0.0.1:9", token=None, offline=True))
+    snapshot = hubs.fetch(offline, f"{HUB_REPO}@main", site / "models", lambda line: None)
+    assert snapshot.commit == sha and snapshot.path == site / "models" / "hf" / model.name / sha

@@ -242,3 +242,39 @@ def test_mopt_lock_pins_a_hub_model_by_commit_and_file_hashes(stub, tmp_path, mo
 
     minilm = load_matrix(REPO / "matrix.yaml").image("minilm-embed").recipe
     assert lock_model(minilm, tmp_path / "models", print) is None  # package: sources are not a hub's
+
+
+def test_a_bundle_carries_the_cached_commit_to_a_site_that_builds_offline(stub, tmp_path):
+    """mopt export copies the model out of the cache; mopt install copies it into the site's cache, which
+    then serves the branch offline with no request to any hub."""
+    sha = stub.add_repo(REPO_ID, FILES)
+    fetch(stub, tmp_path)
+    bundle = tmp_path / "bundle" / "models"
+    copied = hubs.copy_out(tmp_path / "models", "hf", REPO_ID, sha, bundle)
+    assert copied == bundle / "hf" / "org--tiny-embed" / sha
+    assert (copied.parent / "refs" / "main").read_text().strip() == sha
+    site = tmp_path / "site" / "models"
+    logged: list[str] = []
+    assert hubs.copy_in(bundle, site, logged.append) == [f"hf://{REPO_ID}@{sha}"]
+    before = len(stub.requests)
+    snapshot = hubs.fetch(client(stub, offline=True), f"{REPO_ID}@main", site, lambda line: None)
+    assert snapshot.commit == sha and snapshot.files == {name: sha256(FILES[name]) for name in WANTED}
+    assert len(stub.requests) == before and not list(site.rglob("*.import"))
+    # Installing again keeps what is there; a site's own later resolution of the branch is not overwritten.
+    site_ref = site / "hf" / "org--tiny-embed" / "refs" / "main"
+    site_ref.write_text("f" * 40 + "\n")
+    hubs.copy_in(bundle, site, logged.append)
+    assert "already here" in logged[-1] and site_ref.read_text() == "f" * 40 + "\n"
+
+
+def test_a_bundle_model_that_does_not_match_its_file_list_is_refused(stub, tmp_path):
+    sha = stub.add_repo(REPO_ID, FILES)
+    fetch(stub, tmp_path)
+    bundle = tmp_path / "bundle"
+    hubs.copy_out(tmp_path / "models", "hf", REPO_ID, sha, bundle)
+    (bundle / "hf" / "org--tiny-embed" / sha / "config.json").write_text('{"model_type": "evil"}')
+    with pytest.raises(ConfigError, match=f"hf://{REPO_ID}@{sha} does not match its own file list"):
+        hubs.copy_in(bundle, tmp_path / "site", lambda line: None)
+    assert not (tmp_path / "site" / "hf" / "org--tiny-embed" / sha).exists()
+    with pytest.raises(ConfigError, match="is not in the model cache"):
+        hubs.copy_out(tmp_path / "models", "hf", REPO_ID, "0" * 40, bundle)
