@@ -98,7 +98,7 @@ def run_target(url: str, batches: list[list[str]], clients: int, api_key: str | 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("targets", nargs="+", metavar="NAME=URL")
+    p.add_argument("targets", nargs="*", metavar="NAME=URL")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--clients", type=int, default=8)
@@ -109,7 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="the request's model field (default: none sent)")
     p.add_argument("--out", default=None, help="also write the result JSON here")
+    p.add_argument("--dump-workload", default=None, metavar="FILE",
+                   help="write the timed requests as JSON and exit (benchmarks/raw_engine.py reads it)")
     a = p.parse_args(argv)
+    if a.dump_workload:
+        Path(a.dump_workload).write_text(json.dumps(workload(a.requests, a.texts, a.min_words, a.max_words)))
+        return 0
+    if not a.targets:
+        p.error("name at least one NAME=URL target")
     targets = {}
     for item in a.targets:
         name, sep, url = item.partition("=")

@@ -6,7 +6,7 @@ itself, and which option groups its compile step takes. The backends' code is th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -25,6 +25,13 @@ class BackendSpec:
     own_server: bool
     verify: bool
     compile_options: tuple[str, ...]
+    # device -> family (encoder | decoder) -> (form, source); empty: padded engines only.
+    input_forms: dict = field(default_factory=dict)
+
+    def input_form(self, device: str, family: str) -> str:
+        """The input form an engine of this backend gets by default on DEVICE for a model FAMILY."""
+        entry = self.input_forms.get(device, {}).get(family)
+        return entry["form"] if entry else "padded"
 
 
 def backends_dir() -> Path:
@@ -40,7 +47,7 @@ def load_backend(path: Path) -> BackendSpec:
     return BackendSpec(name=data["name"], description=data["description"], version_axis=data["version_axis"],
                        runtime_template=data["runtime_template"], runtime_packages=tuple(data["runtime_packages"]),
                        own_server=data["own_server"], verify=data["verify"],
-                       compile_options=tuple(data["compile_options"]))
+                       compile_options=tuple(data["compile_options"]), input_forms=data.get("input_forms", {}))
 
 
 @cache

@@ -37,6 +37,11 @@ class EngineParams:
     tensorrt: dict
     compile_mode: str = "default"  # torch-aot/torch-inductor: Inductor mode, autotuning done at build time
     attention: str = "mask"  # torch-aot/torch-inductor: "causal" pads right and needs no mask tensor
+    # torch-aot: padded | packed (one token stream a call); None: the backend's choice by device and family
+    # (builder/data/backends/<name>.yaml input_forms).
+    input: str | None = None
+    max_batch_tokens: int | None = None  # packed: tokens per engine call (default max_batch x max_seq_len)
+    max_sequences: int | None = None  # packed: sequences per engine call (default max_batch)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,11 @@ class Recipe:
 
     def precision_for(self, device: str) -> str:
         return self.engine.cpu_precision if device == "cpu" else self.engine.precision
+
+    @property
+    def family(self) -> str:
+        """decoder (causal attention, or last-token pooling as causal embedding models pool) or encoder."""
+        return "decoder" if self.engine.attention == "causal" or self.pooling == "last" else "encoder"
 
 
 def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
@@ -120,6 +130,9 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
             tensorrt=dict(trt),
             compile_mode=engine.get("compile_mode", "default"),
             attention=engine.get("attention", "mask"),
+            input=engine.get("input"),
+            max_batch_tokens=engine.get("max_batch_tokens"),
+            max_sequences=engine.get("max_sequences"),
         ),
         serve_command=tuple(serve["command"]),
         port=serve["port"],

@@ -14,7 +14,7 @@ import jinja2
 import yaml
 
 from . import __version__
-from .backends import backend
+from .backends import backend, backends
 from .errors import ConfigError
 from .hashing import dump_json, sha256_text, tree_digest
 from .matrix import Matrix
@@ -72,7 +72,27 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "entrypoint": entrypoint(recipe.serve_command), "port": recipe.port, "max_inputs": recipe.max_inputs,
         "max_wait_ms": recipe.max_wait_ms,
         "source_date_epoch": _source_date_epoch(matrix),
+        "packed": _packed(variant, recipe, spec),
     }
+
+
+def _packed(variant: Variant, recipe, spec) -> dict | None:
+    """A packed engine's call limits (sequences, tokens), or None for a padded one: the recipe's
+    engine.input, else the backend's choice for the device and the model's family."""
+    engine = recipe.engine
+    form = engine.input or spec.input_form(variant.device, recipe.family)
+    if form == "padded":
+        return None
+    if not spec.input_forms:
+        raise ConfigError(f"{variant.id}: engine.input packed needs a backend that compiles packed engines "
+                          f"({', '.join(sorted(name for name, b in backends().items() if b.input_forms))}), "
+                          f"not {variant.backend}")
+    sequences = engine.max_sequences or engine.max_batch
+    tokens = engine.max_batch_tokens or engine.max_batch * engine.max_seq_len
+    if not engine.max_seq_len <= tokens <= sequences * engine.max_seq_len:
+        raise ConfigError(f"{variant.id}: engine.max_batch_tokens {tokens} must be in max_seq_len.."
+                          f"sequences x max_seq_len ({engine.max_seq_len}..{sequences * engine.max_seq_len})")
+    return {"max_sequences": sequences, "max_batch_tokens": tokens}
 
 
 def entrypoint(serve_command: tuple[str, ...]) -> list[str]:

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--attention", choices=("mask", "causal"), default="mask",
                    help="causal: causal decoders only; right padding and SDPA's is_causal, no mask tensor "
                         "(flash attention). Exact: a real token never attends to a padded one")
+    c.add_argument("--input", dest="input_form", choices=("padded", "packed"), default="padded",
+                   help="packed (torch-aot): every sequence of a call in one token stream, no padding; "
+                        "variable-length flash attention on CUDA (fp16/bf16), per-sequence SDPA elsewhere")
+    c.add_argument("--max-batch-tokens", type=int, default=0,
+                   help="packed: the most tokens one engine call takes (default max-batch x max-seq-len)")
     c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")
@@ -127,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     _env_argument(s, "serve", "--port", "MOPT_PORT", type=int, default=8000, help="port to listen on")
     _env_argument(s, "serve", "--max-batch", "MOPT_MAX_BATCH", type=int, default=None,
                   help="inputs per engine call (default: the engine's max_batch)")
+    _env_argument(s, "serve", "--max-batch-tokens", "MOPT_MAX_BATCH_TOKENS", type=int, default=None,
+                  help="tokens per engine call, the batcher's token budget (default: a packed engine's "
+                       "max_batch_tokens; none for a padded engine)")
     _env_argument(s, "serve", "--max-wait-ms", "MOPT_MAX_WAIT_MS", type=float, default=5.0,
                   help="how long the batcher waits for more requests to fill a batch")
     _env_argument(s, "serve", "--engine-process", "MOPT_ENGINE_PROCESS", action=argparse.BooleanOptionalAction,
@@ -188,7 +196,8 @@ def cmd_compile(a) -> dict:
     params = EngineParams(backend=a.backend, device=a.device, precision=a.precision, max_batch=a.max_batch,
                           max_seq_len=a.max_seq_len, pooling=a.pooling, normalize=a.normalize,
                           instruction=a.instruction, model_dir=str(model.resolve()), compile_mode=a.compile_mode,
-                          attention=a.attention, matryoshka_min_dim=a.matryoshka_min_dim,
+                          attention=a.attention, input_form=a.input_form, max_batch_tokens=a.max_batch_tokens,
+                          matryoshka_min_dim=a.matryoshka_min_dim,
                           model_name=a.model_name or (image or {}).get("repository") or model.resolve().name,
                           **{k: getattr(a, k) for k in vars(a) if k.startswith("trt_")})
     min_cosine = DEFAULT_MIN_COSINE if a.min_cosine is None else a.min_cosine
@@ -248,6 +257,7 @@ def cmd_serve(a) -> int:
         get_backend(data["backend"]).exec_serve(engine_dir, data, a.host, a.port, options=options)
         return 0
     limits = ServerLimits(max_batch=a.max_batch or info["params"]["max_batch"], max_wait_ms=a.max_wait_ms,
+                          max_batch_tokens=a.max_batch_tokens,
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
                           max_body_bytes=a.max_body_bytes, max_input_chars=a.max_input_chars,
                           max_request_tokens=a.max_request_tokens, max_queue_tokens=a.max_queue_tokens,

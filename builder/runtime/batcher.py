@@ -1,8 +1,10 @@
 """Dynamic batching with a bounded queue and fair scheduling.
 
 One worker thread makes every engine call. A request is a job; each engine call takes up to
-max_batch inputs, gathered for at most max_wait_ms, so concurrent small requests share a forward
-pass and a large request is split into chunks of at most max_batch inputs.
+max_batch inputs and max_batch_tokens tokens (a token budget, as TEI's --max-batch-tokens: a batch
+of short texts holds many, one of long texts few), gathered for at most max_wait_ms, so concurrent
+small requests share a forward pass and a large request is split into chunks. One input is always
+taken, whatever its length.
 
 Scheduling: shortest remaining work first. Each batch is filled from the jobs with the fewest
 inputs left, so a small request is taken in the next batch instead of waiting behind every chunk
@@ -88,9 +90,10 @@ def blend_rate(rate: float, tokens: int, seconds: float) -> float:
 
 class Batcher:
     def __init__(self, embed_ids, max_batch: int, max_wait_ms: float, metrics=None,
-                 max_queue_tokens: int | None = None):
+                 max_queue_tokens: int | None = None, max_batch_tokens: int | None = None):
         self._embed = embed_ids
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.metrics = metrics
         self.max_queue_tokens = max_queue_tokens
@@ -147,7 +150,8 @@ class Batcher:
             self._report()
 
     def _take(self) -> list[tuple[_Job, list[int]]]:
-        """Pick up to max_batch inputs, the jobs with the least work left first; caller holds the lock."""
+        """Pick up to max_batch inputs and max_batch_tokens tokens, the jobs with the least work left
+        first; caller holds the lock."""
         # Jobs passed over MAX_SKIPS times first, oldest first; then the least work left.
         starved: list[_Job] = []
         rest: list[_Job] = []
@@ -155,20 +159,36 @@ class Batcher:
             (starved if job.skipped >= MAX_SKIPS else rest).append(job)
         ranked = starved + sorted(rest, key=lambda j: j.left)
         batch, room = [], self.max_batch
+        budget = self.max_batch_tokens
         for job in ranked:
-            if room == 0:
+            idx = job.order[job.next:job.next + room]
+            if budget is not None:
+                fits, used = 0, 0
+                for i in idx:
+                    if used + len(job.seqs[i]) > budget and (batch or fits):
+                        break
+                    used += len(job.seqs[i])
+                    fits += 1
+                idx = idx[:fits]
+            if not idx:
                 job.skipped += 1
                 continue
-            n = min(room, job.left)
-            idx = job.order[job.next:job.next + n]
-            job.next += n
+            job.next += len(idx)
             job.skipped = 0
-            room -= n
-            self._queued_tokens -= sum(len(job.seqs[i]) for i in idx)
+            room -= len(idx)
+            tokens = sum(len(job.seqs[i]) for i in idx)
+            self._queued_tokens -= tokens
+            if budget is not None:
+                budget -= tokens
             batch.append((job, idx))
         self._jobs = [j for j in self._jobs if j.left]
         self._report()
         return batch
+
+    def _full(self) -> bool:
+        """Whether the queue holds a whole batch: max_batch inputs, or the token budget."""
+        return (sum(j.left for j in self._jobs) >= self.max_batch
+                or (self.max_batch_tokens is not None and self._queued_tokens >= self.max_batch_tokens))
 
     def _gather(self) -> list[tuple[_Job, list[int]]]:
         """The next batch; [] only once closed with nothing left to do."""
@@ -183,8 +203,7 @@ class Batcher:
                 # Wait up to max_wait for a full batch; not when closing, nor for the rest of a request
                 # already under way (its chunks go back to back).
                 until = time.monotonic() + self.max_wait
-                while (not self._stop and sum(j.left for j in self._jobs) < self.max_batch
-                       and not any(j.next for j in self._jobs)):
+                while not self._stop and not self._full() and not any(j.next for j in self._jobs):
                     left = until - time.monotonic()
                     if left <= 0:
                         break

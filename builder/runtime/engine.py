@@ -50,6 +50,21 @@ def plan_calls(lengths: list[int], max_rows: int, max_seq_len: int, call_cost: i
     return calls[::-1]
 
 
+def pack_calls(lengths: list[int], max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Cut sequences (sorted by length) into packed engine calls [start, end): each as full as the token
+    budget and the row cap allow. Sorted, so a call's sequences are of similar lengths (where attention
+    is gathered per sequence, packed.py, its block is as long as the call's longest)."""
+    calls, start, tokens = [], 0, 0
+    for end, n in enumerate(lengths):
+        if end > start and (end - start == max_rows or tokens + n > max_tokens):
+            calls.append((start, end))
+            start, tokens = end, 0
+        tokens += n
+    if start < len(lengths):
+        calls.append((start, len(lengths)))
+    return calls
+
+
 @dataclass
 class Engine:
     params: EngineParams
@@ -101,6 +116,19 @@ class Engine:
         # Sorted by length and cut into calls of similar lengths (plan_calls): padding stays small.
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         lengths = [len(seqs[i]) for i in order]
+        if self.params.packed:
+            from .packed import gathers_attention, pack
+
+            p = self.params
+            # Attention gathered per sequence costs what it costs padded to the call's longest: cut
+            # where padding would (plan_calls); the other layers see only real tokens either way.
+            groups = (plan_calls(lengths, p.max_batch, p.max_seq_len, CALL_COST_TOKENS[p.device])
+                      if gathers_attention(p.device, p.precision) else [(0, len(lengths))])
+            for first, last in groups:
+                for start, end in pack_calls(lengths[first:last], p.max_batch, p.batch_tokens):
+                    idx = order[first + start:first + end]
+                    out[idx] = self.run(*pack([seqs[i] for i in idx]))
+            return out
         cost = (UNPADDED_CALL_COST if backend_info(self.params.backend).unpadded
                 else CALL_COST_TOKENS.get(self.params.device, CALL_COST_TOKENS["cuda"]))
         for start, end in plan_calls(lengths, self.params.max_batch, self.params.max_seq_len, cost):

@@ -16,8 +16,13 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # causal: causal decoders only; pad on the right and let SDPA apply causality with no mask tensor
 # (its flash kernel; see causal_attention.py). Exact for the real tokens either way.
 ATTENTIONS = ("mask", "causal")
+# padded: [batch, length] tensors and a mask. packed: every sequence of a call in one token stream,
+# attention kept per sequence (packed.py); calls are cut by a token budget (max_batch_tokens).
+INPUT_FORMS = ("padded", "packed")
 # The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
 SEQ_BUCKET = 8
+PADDED_SHAPE_POLICY = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
+PACKED_SHAPE_POLICY = "packed: up to max_batch sequences and max_batch_tokens tokens a call, no padding"
 
 
 @dataclass(frozen=True)
@@ -35,12 +40,16 @@ class EngineParams:
     model_name: str | None = None
     compile_mode: str = "default"
     attention: str = "mask"
+    input_form: str = "padded"
+    # packed: the most tokens one engine call takes (0: max_batch * max_seq_len). Absent from older
+    # engine.json files, which load as padded engines.
+    max_batch_tokens: int = 0
     # Matryoshka: the smallest leading slice of the embedding the model was trained to serve
     # (Qwen3-Embedding: 32); requests may ask for any dimension from it to the full one.
     # None: the model declares no Matryoshka support (only the full dimension is served).
     # Absent from older engine.json files, which load with None.
     matryoshka_min_dim: int | None = None
-    shape_policy: str = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
+    shape_policy: str = PADDED_SHAPE_POLICY
     # TensorRT optimisation profile and builder options (recipe engine.tensorrt; ignored elsewhere).
     # opt values of 0 mean "max_batch" / "max_seq_len".
     trt_min_batch: int = 1
@@ -54,6 +63,8 @@ class EngineParams:
     trt_workspace_mib: int = 4096
 
     def __post_init__(self) -> None:
+        if self.input_form == "packed" and self.shape_policy == PADDED_SHAPE_POLICY:
+            object.__setattr__(self, "shape_policy", PACKED_SHAPE_POLICY)
         if self.device not in DEVICES:
             raise UsageError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.precision not in PRECISIONS:
@@ -66,11 +77,7 @@ class EngineParams:
                              f"({', '.join(backend.precisions)})")
         if self.compile_mode not in COMPILE_MODES:
             raise UsageError(f"--compile-mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
-        if self.attention not in ATTENTIONS:
-            raise UsageError(f"--attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.attention == "causal" and not backend.causal_attention:
-            causal = sorted(name for name, info in BACKENDS.items() if info.causal_attention)
-            raise UsageError(f"--attention causal is implemented for {', '.join(causal)}, not {self.backend}")
+        self._check_graph_form(backend)
         if self.trt_hardware_compatibility not in HARDWARE_COMPATIBILITY:
             raise UsageError(f"--trt-hardware-compatibility must be one of {HARDWARE_COMPATIBILITY}, "
                              f"got {self.trt_hardware_compatibility!r}")
@@ -87,10 +94,38 @@ class EngineParams:
         if not SEQ_BUCKET <= self.max_seq_len <= 32768:
             raise UsageError(f"--max-seq-len must be in {SEQ_BUCKET}..32768, got {self.max_seq_len}")
 
+
+    def _check_graph_form(self, backend) -> None:
+        """attention and input form: which graph the torch backends export."""
+        if self.attention not in ATTENTIONS:
+            raise UsageError(f"--attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention == "causal" and not backend.causal_attention:
+            causal = sorted(name for name, info in BACKENDS.items() if info.causal_attention)
+            raise UsageError(f"--attention causal is implemented for {', '.join(causal)}, not {self.backend}")
+        if self.input_form not in INPUT_FORMS:
+            raise UsageError(f"--input must be one of {INPUT_FORMS}, got {self.input_form!r}")
+        if self.input_form == "packed" and not backend.packed_input:
+            packed = sorted(name for name, info in BACKENDS.items() if info.packed_input)
+            raise UsageError(f"--input packed is implemented for {', '.join(packed)}, not {self.backend}")
+        most = self.max_batch * self.max_seq_len
+        if self.max_batch_tokens and not self.max_seq_len <= self.max_batch_tokens <= most:
+            raise UsageError(f"--max-batch-tokens must be in max_seq_len..max_batch * max_seq_len "
+                             f"({self.max_seq_len}..{most}), got {self.max_batch_tokens}")
+
     @property
     def pad_left(self) -> bool:
-        """Last-token pooling pads on the left unless causal attention makes right padding exact."""
-        return self.pooling == "last" and self.attention == "mask"
+        """Last-token pooling pads on the left unless causal attention makes right padding exact (or
+        nothing is padded)."""
+        return self.pooling == "last" and self.attention == "mask" and self.input_form == "padded"
+
+    @property
+    def packed(self) -> bool:
+        return self.input_form == "packed"
+
+    @property
+    def batch_tokens(self) -> int:
+        """The most tokens one engine call takes."""
+        return self.max_batch_tokens or self.max_batch * self.max_seq_len
 
     def to_dict(self) -> dict:
         return asdict(self)

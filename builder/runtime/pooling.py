@@ -38,11 +38,14 @@ class EmbeddingModule(nn.Module):
 
 
 def load_body(model_dir: str, dtype: torch.dtype, device: str, attention: str = "mask") -> nn.Module:
+    """attention: mask | causal (causal_attention.py) | packed (packed.py)."""
     from transformers import AutoModel
 
+    from . import packed
     from .causal_attention import attn_implementation, check_causal
 
-    model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation(attention))
+    implementation = packed.register() if attention == "packed" else attn_implementation(attention)
+    model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation=implementation)
     if attention == "causal":
         check_causal(model)
     return model.eval().to(device)

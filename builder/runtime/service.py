@@ -37,6 +37,9 @@ class ServerLimits:
     """Serving limits; each has a safe default and a serve flag / MOPT_* variable (__main__.py)."""
 
     max_batch: int = 32  # inputs per engine call
+    # Tokens per engine call (the batcher's token budget); None: a packed engine's own budget, none for
+    # a padded engine (its calls are cut by padded shape, engine.plan_calls).
+    max_batch_tokens: int | None = None
     max_wait_ms: float = 5.0  # how long the batcher waits to fill a batch
     max_inputs: int = 256  # inputs per request
     max_input_tokens: int | None = None  # tokens per input; None: the engine's max_seq_len (also the ceiling)
@@ -57,7 +60,7 @@ class ServerLimits:
     auto_truncate: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_request_tokens", "max_queue_tokens", "max_input_chars"):
+        for name in ("max_request_tokens", "max_queue_tokens", "max_input_chars", "max_batch_tokens"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
@@ -146,8 +149,12 @@ class EmbeddingService:
         self.max_tokens = min(limits.max_input_tokens or engine.params.max_seq_len, engine.params.max_seq_len)
         self.max_chars = limits.max_input_chars or CHARS_PER_TOKEN * self.max_tokens
         self.model_name = engine.params.model_name or "mopt-embedding"
+        p = engine.params
+        # A packed engine takes at most its own budget in one call: a larger one would only be cut again.
+        budget = limits.max_batch_tokens
+        self.max_batch_tokens = min(budget or p.batch_tokens, p.batch_tokens) if p.packed else budget
         self.batcher = Batcher(engine.embed_ids, limits.max_batch, limits.max_wait_ms, self.metrics,
-                               max_queue_tokens=limits.max_queue_tokens)
+                               max_queue_tokens=limits.max_queue_tokens, max_batch_tokens=self.max_batch_tokens)
         self._failure_lock = threading.Lock()
         self._last_failure: BaseException | None = None  # logged already (one line per failed batch)
 
@@ -185,14 +192,14 @@ class EmbeddingService:
         return {"model": self.model_name, "embedding_dim": self.engine.dim,
                 "max_input_tokens": self.max_tokens, "max_input_chars": self.max_chars,
                 "limits": {**asdict(self.limits), "max_input_tokens": self.max_tokens,
-                           "max_input_chars": self.max_chars},
+                           "max_input_chars": self.max_chars, "max_batch_tokens": self.max_batch_tokens},
                 "backend": info.get("backend"), "backend_version": info.get("backend_version"),
                 "torch": info.get("torch"), "device": info.get("device"), "target_sm": info.get("target_sm"),
                 "engine_sha256": info.get("engine_sha256"), "image": image,
                 "image_tag": image.get("tag") if isinstance(image, dict) else None,
                 "matryoshka_dimensions": self.matryoshka_range(), "pooling": p.pooling,
                 "normalize": p.normalize, "auto_truncate": self.limits.auto_truncate,
-                "max_batch": p.max_batch, "max_seq_len": p.max_seq_len}
+                "max_batch": p.max_batch, "max_seq_len": p.max_seq_len, "input_form": p.input_form}
 
     # --- embedding routes -------------------------------------------------------------------------
 

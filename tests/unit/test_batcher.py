@@ -56,8 +56,10 @@ class Recorder:
 def make():
     made = []
 
-    def factory(engine, max_batch, max_wait_ms, metrics=None, max_queue_tokens=None) -> Batcher:
-        batcher = Batcher(engine, max_batch, max_wait_ms, metrics, max_queue_tokens=max_queue_tokens)
+    def factory(engine, max_batch, max_wait_ms, metrics=None, max_queue_tokens=None,
+                max_batch_tokens=None) -> Batcher:
+        batcher = Batcher(engine, max_batch, max_wait_ms, metrics, max_queue_tokens=max_queue_tokens,
+                          max_batch_tokens=max_batch_tokens)
         made.append(batcher)
         return batcher
 
@@ -411,3 +413,38 @@ def test_a_probe_that_raises_does_not_stop_the_worker(make):
 
     batcher = make(FakeEngine(), max_batch=2, max_wait_ms=1)
     assert batcher.submit([[1]], client_gone=broken).result(WAIT) == [vec([1])]
+
+
+def test_batches_are_cut_by_the_token_budget(make):
+    """max_batch_tokens: a call takes inputs while their tokens fit (short texts: many, long: few), the
+    shortest first; an input longer than the whole budget still goes, alone."""
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=100, max_wait_ms=5000, max_batch_tokens=10)
+    blocker = busy(batcher, engine, 10)  # 10 one-token inputs fill the budget: no wait
+    short = batcher.submit([[1, 1], [2, 2], [3, 3]])  # 6 tokens
+    long = batcher.submit([[4] * 6, [5] * 6, [6] * 12])  # 24 tokens, one over the budget alone
+    engine.release.set()
+    blocker.result(WAIT)
+    assert short.result(WAIT) == [vec(s) for s in ([1, 1], [2, 2], [3, 3])]
+    assert long.result(WAIT) == [vec(s) for s in ([4] * 6, [5] * 6, [6] * 12)]
+    sizes = [sum(map(len, call)) for call in engine.calls[1:]]
+    assert engine.calls[1] == [[1, 1], [2, 2], [3, 3]]  # the smaller request's 6 tokens; 6 more would not fit
+    assert sizes == [6, 6, 6, 12]
+    assert all(size <= 10 or len(call) == 1 for size, call in zip(sizes, engine.calls[1:], strict=True))
+
+
+def test_a_full_token_budget_goes_without_waiting(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=100, max_wait_ms=5000, max_batch_tokens=8)
+    started = time.monotonic()
+    assert batcher.submit([[7] * 8]).result(WAIT) == [vec([7] * 8)]
+    assert time.monotonic() - started < 2  # 8 tokens fill the budget: no max_wait for company
+    assert engine.calls == [[[7] * 8]]
+
+
+def test_without_a_token_budget_only_the_row_cap_cuts(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=3, max_wait_ms=5000)
+    seqs = [[i] * 50 for i in range(1, 5)]
+    assert batcher.submit(seqs).result(WAIT) == [vec(s) for s in seqs]
+    assert [len(call) for call in engine.calls] == [3, 1]

@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # params validates against this registry: no import cycle at 
 
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 
-# Embeddings for a padded batch: (input_ids, attention_mask) -> float32 [batch, dim]. A call backed by a
+# Embeddings for a padded batch: (input_ids, attention_mask) -> float32 [batch, dim], or for a packed one
+# (params.input_form "packed"): (input_ids, seq_lengths, max_len) -> [sequences, dim]. A call backed by a
 # server child (vllm's Server) also has alive(), exitcode() and close(), which engine.Engine passes on.
 EngineCall = Callable[[Any, Any], Any]
 
@@ -61,12 +62,13 @@ class BackendInfo:
     precisions: tuple[str, ...] = FLOAT_PRECISIONS  # what --precision may be
     causal_attention: bool = False  # takes --attention causal (right padding, SDPA's is_causal)
     unpadded: bool = False  # drops the padding itself (vLLM packs sequences): calls are cut by row count only
+    packed_input: bool = False  # compiles --input packed engines (one token stream per call: packed.py)
 
 
 # The one place a backend is registered (the host side describes it in builder/data/backends/<name>.yaml).
 BACKENDS: dict[str, BackendInfo] = {
     "torch-aot": BackendInfo(module="torch_aot", own_server=False, version_is_torch=True, prepares=False,
-                             causal_attention=True),
+                             causal_attention=True, packed_input=True),
     "torch-inductor": BackendInfo(module="torch_inductor", own_server=False, version_is_torch=True, prepares=True,
                                   causal_attention=True),
     # int8 and fp8 are TensorRT builder flags (fp16 kernels as the fallback).

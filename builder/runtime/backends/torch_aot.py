@@ -60,6 +60,11 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     # On CUDA, SDPA's kernel choice is baked in here (no cuDNN by default: see sdpa.py).
     kernels = sdpa_kernels() if params.device == "cuda" else nullcontext()
     options = inductor_options(params.compile_mode)
+    if params.packed and params.device == "cuda":
+        # Tune Triton kernels on the example inputs run through the graph (AOTInductor's two-pass
+        # compile), not on random tensors: a packed graph indexes with tensors it computes (each
+        # token's sequence), and random ones trip the kernels' bounds asserts (H200, torch 2.11).
+        options.setdefault("triton.autotune_at_compile_time", False)
     with torch.inference_mode(False), torch.no_grad(), kernels:
         exported, dims = export_graph(module, example, params)
         path = torch._inductor.aoti_compile_and_package(exported, package_path=str(out_dir / PACKAGE),
@@ -67,7 +72,9 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     so = unpack(Path(path), out_dir / UNPACKED)
     Path(path).unlink()  # the unpacked files are the engine: shipping both would double the image's weights
     check_loads_fresh(out_dir, params)
-    recorded = {"tuned_for": "x".join(map(str, example[0].shape)), "inductor_options": options}
+    tuned = (f"{len(example[1])} sequences, {len(example[0])} tokens" if params.packed
+             else "x".join(map(str, example[0].shape)))
+    recorded = {"tuned_for": tuned, "input_form": params.input_form, "inductor_options": options}
     if params.device == "cuda":
         recorded["sdpa"] = sdpa_summary(exported.graph)
     return {"artifact": so.relative_to(out_dir).as_posix(), "export_dims": dims,
@@ -134,9 +141,9 @@ def _package_runner(path: str):
         from torch._inductor import aoti_load_package
 
         runner = aoti_load_package(path)
-        return lambda ids, mask: runner(ids, mask)
+        return lambda *inputs: runner(*inputs)
     loader = loader_cls(path, "model", False, 1, -1)  # path, model name, single-threaded, runners, device index
-    return lambda ids, mask: loader.run([ids, mask])[0]
+    return lambda *inputs: loader.run(list(inputs))[0]
 
 
 def _library_runner(unpacked: Path, device: str):
@@ -147,7 +154,7 @@ def _library_runner(unpacked: Path, device: str):
         runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(so), 1, "cuda", str(unpacked))
     else:
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
-    return lambda ids, mask: runner.run([ids, mask])[0]
+    return lambda *inputs: runner.run(list(inputs))[0]
 
 
 def load(engine_dir: str | Path, params: EngineParams):
@@ -158,9 +165,9 @@ def load(engine_dir: str | Path, params: EngineParams):
         runner = _package_runner(str(engine_dir / PACKAGE))
     device = params.device
 
-    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def run(*inputs: torch.Tensor) -> torch.Tensor:  # (ids, mask), or packed (ids, seq_lengths, max_len)
         with torch.no_grad():
-            out = runner(input_ids.to(device).contiguous(), attention_mask.to(device).contiguous())
+            out = runner(*(t.to(device).contiguous() for t in inputs))
         return out.float().cpu()
 
     return run

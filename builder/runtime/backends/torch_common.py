@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from ..packed import PackedEmbeddingModule, pack
 from ..params import EngineParams
 from ..pooling import EmbeddingModule, load_body
 from ..rotary import rotary_as_product
@@ -26,17 +27,20 @@ log = logging.getLogger(__name__)
 
 
 def build_module(model_dir: str, params: EngineParams, dtype: torch.dtype, device: str,
-                 model_rotary: bool = False) -> EmbeddingModule:
-    return wrap_body(load_body(model_dir, dtype, device, params.attention), params, model_rotary)
+                 model_rotary: bool = False) -> EmbeddingModule | PackedEmbeddingModule:
+    attention = "packed" if params.packed else params.attention
+    return wrap_body(load_body(model_dir, dtype, device, attention), params, model_rotary)
 
 
-def wrap_body(body, params: EngineParams, model_rotary: bool = False) -> EmbeddingModule:
+def wrap_body(body, params: EngineParams, model_rotary: bool = False) -> EmbeddingModule | PackedEmbeddingModule:
     """A transformers body as the embedding module the engine params describe; its rotary tables as a
     product (rotary.py: same values, fusible) unless model_rotary (the model as transformers runs it)."""
     if hasattr(body.config, "use_cache"):
         body.config.use_cache = False  # no KV cache objects in an embedding graph
     if not model_rotary:
         rotary_as_product(body)
+    if params.packed:
+        return PackedEmbeddingModule(body, params.pooling, params.normalize)
     return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left)
 
 
@@ -63,7 +67,25 @@ def tune_shape(params: EngineParams) -> tuple[int, int]:
 
 def tuned_example(params: EngineParams, device: str, pad_left: bool):
     """Example inputs at the shape the kernels are tuned for (tune_shape)."""
+    if params.packed:
+        return packed_example(*tune_shape(params), params.batch_tokens, device)
     return example_inputs(*tune_shape(params), device, pad_left)
+
+
+def packed_example(b: int, s: int, budget: int, device: str):
+    """A packed call of up to b sequences of length s within the token budget; the second half as long,
+    so sequences of different lengths are traced."""
+    lengths = [s] * max(2, min(b, budget // s))
+    lengths[1] = max(1, s // 2)
+    return tuple(t.to(device) for t in pack([[1] * n for n in lengths]))
+
+
+def call_example(params: EngineParams, device: str = "cpu"):
+    """Small inputs of the engine's form, for a first call (2 x 16, or less)."""
+    b, s = min(2, params.max_batch), min(16, params.max_seq_len)
+    if params.packed:
+        return packed_example(b, s, params.batch_tokens, device)
+    return example_inputs(b, s, device, params.pad_left)
 
 
 def example_inputs(b: int, s: int, device: str, pad_left: bool):
@@ -102,6 +124,11 @@ def strip_dtype_asserts(exported) -> None:
 def _export_dynamic(module, example, params: EngineParams):
     from torch.export import Dim
 
+    if params.packed:  # every dim from 1: a call may hold one sequence of one token
+        dims = {"input_ids": {0: Dim("tokens", min=1, max=params.batch_tokens)},
+                "seq_lengths": {0: Dim("sequences", min=1, max=params.max_batch)},
+                "max_len": {0: Dim("longest", min=1, max=params.max_seq_len)}}
+        return torch.export.export(module, example, dynamic_shapes=dims, strict=False), "packed"
     dyn_batch = params.max_batch > 1
     batch = Dim("batch", min=1, max=params.max_batch) if dyn_batch else None
     seq = Dim("seq", min=2, max=params.max_seq_len)
@@ -146,7 +173,8 @@ def eager_reference(model_dir: str, texts: list[str], params: EngineParams) -> l
     enc = TextEncoder(model_dir, params.pooling, params.instruction)
     # The model's own attention (no padding here): the reference does not depend on the engine's choice.
     # The model as transformers runs it: the reference checks the engine's graph changes too (rotary.py).
-    module = build_module(model_dir, replace(params, attention="mask"), torch.float32, "cpu", model_rotary=True)
+    module = build_module(model_dir, replace(params, attention="mask", input_form="padded"), torch.float32, "cpu",
+                          model_rotary=True)
     out = []
     with torch.no_grad():
         for ids in enc.encode(texts):
@@ -162,7 +190,7 @@ backend = importlib.import_module(sys.argv[3])
 common = importlib.import_module(sys.argv[3].rpartition(".")[0] + ".torch_common")
 params = backend.EngineParams.from_dict(json.loads(sys.argv[2]))
 run = backend.load(sys.argv[1], params)
-out = run(*common.example_inputs(min(2, params.max_batch), min(16, params.max_seq_len), "cpu", params.pad_left))
+out = run(*common.call_example(params))
 print("LOADED", getattr(backend, "LAST_LOAD_PATH", None), tuple(out.shape))
 """
 

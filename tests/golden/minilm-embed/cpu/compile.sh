@@ -14,6 +14,8 @@ exec python -m mopt_runtime compile \
   --pooling mean \
   --normalize \
   --compile-mode default \
+  --input packed \
+  --max-batch-tokens 8192 \
   --min-cosine 0.99 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json

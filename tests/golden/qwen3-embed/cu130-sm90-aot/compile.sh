@@ -9,7 +9,7 @@ exec python -m mopt_runtime compile \
   --model /opt/mopt/model \
   --out /mopt/out \
   --precision bf16 \
-  --max-batch 64 \
+  --max-batch 512 \
   --max-seq-len 512 \
   --pooling last \
   --normalize \
@@ -18,6 +18,8 @@ exec python -m mopt_runtime compile \
   --target-sm 90 \
   --compile-mode default \
   --attention causal \
+  --input packed \
+  --max-batch-tokens 32768 \
   --min-cosine 0.99 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json
