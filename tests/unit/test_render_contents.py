@@ -266,3 +266,55 @@ def test_files_are_utf8_whatever_the_locale(planned, tmp_path, ascii_locale):
     assert (directory / "smoke-inputs.json").read_bytes() == '[\n  "naïve café"\n]\n'.encode()
     render(text_matrix, (variant,), tmp_path / "out", templates)           # reads the existing files back
     assert json.loads((directory / "manifest.json").read_bytes().decode())["smoke"]["inputs"] == ["naïve café"]
+
+
+# ------------------------------------------------------------------------------ input form
+
+def _with_engine(matrix, variant, **changes):
+    """A copy of the variant's recipe with engine fields changed."""
+    recipe = matrix.image(variant.image).recipe
+    return dataclasses.replace(recipe, engine=dataclasses.replace(recipe.engine, **changes))
+
+
+@pytest.mark.parametrize("variant_id, family, packed", [
+    ("qwen3-embed:cu130-sm90-aot", "decoder", {"max_sequences": 512, "max_batch_tokens": 32768}),
+    ("minilm-embed:cpu", "encoder", {"max_sequences": 32, "max_batch_tokens": 32 * 256}),
+    ("qwen3-embed:cu128-sm90-vllm", "decoder", None),  # vllm: no packed engines, padded by default
+])
+def test_the_input_form_is_the_backends_choice_by_device_and_family(planned, variant_id, family, packed):
+    matrix, variants = planned
+    variant = _variant(variants, variant_id)
+    assert matrix.image(variant.image).recipe.family == family
+    assert render_mod._context(matrix, variant)["packed"] == packed
+
+
+def test_a_recipe_overrides_the_input_form_and_is_checked(planned):
+    matrix, variants = planned
+    variant = _variant(variants, "minilm-embed:cpu")
+    spec = render_mod.backend(variant.backend)
+    padded = _with_engine(matrix, variant, input="padded")
+    assert render_mod._packed(variant, padded, spec) is None
+    custom = _with_engine(matrix, variant, max_sequences=64, max_batch_tokens=256)
+    assert render_mod._packed(variant, custom, spec) == {"max_sequences": 64, "max_batch_tokens": 256}
+    # The budget must hold one full sequence and at most every sequence full.
+    for tokens in (255, 64 * 256 + 1):
+        with pytest.raises(ConfigError, match=f"engine.max_batch_tokens {tokens} must be in max_seq_len..sequences"):
+            render_mod._packed(variant, _with_engine(matrix, variant, max_sequences=64, max_batch_tokens=tokens), spec)
+    assert render_mod._packed(variant, _with_engine(matrix, variant, max_sequences=1, max_batch_tokens=256), spec)
+    vllm = _variant(variants, "minilm-embed:cpu-vllm")
+    asked = _with_engine(matrix, vllm, input="packed")
+    with pytest.raises(ConfigError, match=r"minilm-embed:cpu-vllm: engine.input packed needs a backend that compiles "
+                                          r"packed engines \(torch-aot\), not vllm"):
+        render_mod._packed(vllm, asked, render_mod.backend("vllm"))
+
+
+def test_the_family_follows_attention_and_pooling(planned):
+    matrix, variants = planned
+    recipe = matrix.image("minilm-embed").recipe
+    assert recipe.family == "encoder"
+    assert dataclasses.replace(recipe, pooling="last").family == "decoder"
+    causal = dataclasses.replace(recipe.engine, attention="causal")
+    assert dataclasses.replace(recipe, engine=causal).family == "decoder"
+    spec = render_mod.backend("torch-aot")
+    assert spec.input_form("cuda", "decoder") == "packed"
+    assert render_mod.backend("vllm").input_form("cpu", "encoder") == "padded"
