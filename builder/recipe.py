@@ -37,8 +37,8 @@ class EngineParams:
     tensorrt: dict
     compile_mode: str = "default"  # torch-aot/torch-inductor: Inductor mode, autotuning done at build time
     attention: str = "mask"  # torch-aot/torch-inductor: "causal" pads right and needs no mask tensor
-    # torch-aot: padded | packed (one token stream a call); None: the backend's choice by device and family
-    # (builder/data/backends/<name>.yaml input_forms).
+    # torch-aot, torch-inductor: padded | packed (one token stream a call); None: the backend's choice
+    # by device and family (builder/data/backends/<name>.yaml input_forms).
     input: str | None = None
     max_batch_tokens: int | None = None  # packed: tokens per engine call (default max_batch x max_seq_len)
     max_sequences: int | None = None  # packed: sequences per engine call (default max_batch)

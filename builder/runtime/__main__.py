@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal: causal decoders only; right padding and SDPA's is_causal, no mask tensor "
                         "(flash attention). Exact: a real token never attends to a padded one")
     c.add_argument("--input", dest="input_form", choices=("padded", "packed"), default="padded",
-                   help="packed (torch-aot): every sequence of a call in one token stream, no padding; "
+                   help="packed (torch-aot, torch-inductor): every sequence of a call in one token stream, no padding; "
                         "variable-length flash attention on CUDA (fp16/bf16), per-sequence SDPA elsewhere")
     c.add_argument("--max-batch-tokens", type=int, default=0,
                    help="packed: the most tokens one engine call takes (default max-batch x max-seq-len)")

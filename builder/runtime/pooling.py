@@ -37,15 +37,22 @@ class EmbeddingModule(nn.Module):
         return emb
 
 
+def attention_implementation(attention: str) -> str:
+    """transformers' attn_implementation for an engine's attention: mask | causal
+    (causal_attention.py) | packed (packed.py), registering ours."""
+    from . import packed
+    from .causal_attention import attn_implementation
+
+    return packed.register() if attention == "packed" else attn_implementation(attention)
+
+
 def load_body(model_dir: str, dtype: torch.dtype, device: str, attention: str = "mask") -> nn.Module:
     """attention: mask | causal (causal_attention.py) | packed (packed.py)."""
     from transformers import AutoModel
 
-    from . import packed
-    from .causal_attention import attn_implementation, check_causal
+    from .causal_attention import check_causal
 
-    implementation = packed.register() if attention == "packed" else attn_implementation(attention)
-    model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation=implementation)
+    model = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention_implementation(attention))
     if attention == "causal":
         check_causal(model)
     return model.eval().to(device)

@@ -2,7 +2,7 @@
 Exactness against the model run one text at a time, for a bidirectional encoder (the real
 all-MiniLM-L6-v2, mean pooling) and a causal decoder with grouped-query attention (the tiny Qwen3,
 last-token pooling); the exported graph takes one sequence of one token as well as many; a compiled
-torch-aot engine matches its reference and keeps each call within its token budget."""
+torch-aot or torch-inductor engine matches its reference and keeps each call within its token budget."""
 from __future__ import annotations
 
 import json
@@ -96,7 +96,8 @@ def test_pack_calls_fill_the_budget_and_the_row_cap():
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"backend": "tensorrt", "precision": "fp16", "device": "cuda"}, "--input packed is implemented for torch-aot"),
+    ({"backend": "tensorrt", "precision": "fp16", "device": "cuda"},
+     "--input packed is implemented for torch-aot, torch-inductor, not tensorrt"),
     ({"max_batch_tokens": 10}, "--max-batch-tokens must be in max_seq_len..max_batch \\* max_seq_len"),
     ({"max_batch_tokens": 8 * 64 + 1}, "--max-batch-tokens must be in"),
     ({"input_form": "ragged"}, "--input must be one of"),
@@ -113,12 +114,12 @@ def test_a_packed_engine_pads_nothing_and_batch_tokens_default_to_the_full_batch
     assert EngineParams(pooling="last", max_batch=8, max_seq_len=64).pad_left
 
 
-@pytest.fixture(scope="module")
-def packed_engine(tmp_path_factory):
+@pytest.fixture(scope="module", params=["torch-aot", "torch-inductor"])
+def packed_engine(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed") / "out"
     texts = out.parent / "texts.json"
     texts.write_text(json.dumps(["a cat sat on the mat", "x", "Paris is the capital of France."]))
-    proc = runtime_cli("compile", "--model", str(minilm_dir()), "--out", str(out), "--backend", "torch-aot",
+    proc = runtime_cli("compile", "--model", str(minilm_dir()), "--out", str(out), "--backend", request.param,
                        "--device", "cpu", "--precision", "fp32", "--max-batch", "8", "--max-seq-len", "64",
                        "--pooling", "mean", "--normalize", "--input", "packed", "--max-batch-tokens", "96",
                        "--reference-texts", str(texts), timeout=600)
@@ -131,8 +132,13 @@ def test_a_compiled_packed_engine_matches_its_reference_within_its_budget(packed
     assert summary["engine_min_cosine"] >= 0.9999
     info = json.loads((out / "engine.json").read_text())
     assert info["params"]["input_form"] == "packed" and info["params"]["max_batch_tokens"] == 96
-    assert info["export_dims"] == "packed" and info["input_form"] == "packed"
     assert info["params"]["shape_policy"].startswith("packed")
+    if info["backend"] == "torch-aot":
+        assert info["export_dims"] == "packed" and info["input_form"] == "packed"
+    else:  # torch-inductor: the standalone artifact, its kernels shipped (a start builds none)
+        manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
+        assert manifest["form"] == "artifact" and manifest["artifact"]["export_dims"] == "packed"
+        assert manifest["artifact"]["tuned_for"] == "2 sequences, 96 tokens"
     engine = Engine.open(out)
     calls = []
     run = engine.run

@@ -304,7 +304,7 @@ def test_a_recipe_overrides_the_input_form_and_is_checked(planned):
     vllm = _variant(variants, "minilm-embed:cpu-vllm")
     asked = _with_engine(matrix, vllm, input="packed")
     with pytest.raises(ConfigError, match=r"minilm-embed:cpu-vllm: engine.input packed needs a backend that compiles "
-                                          r"packed engines \(torch-aot\), not vllm"):
+                                          r"packed engines \(torch-aot, torch-inductor\), not vllm"):
         render_mod._packed(vllm, asked, render_mod.backend("vllm"))
 
 

@@ -70,7 +70,7 @@ BACKENDS: dict[str, BackendInfo] = {
     "torch-aot": BackendInfo(module="torch_aot", own_server=False, version_is_torch=True, prepares=False,
                              causal_attention=True, packed_input=True),
     "torch-inductor": BackendInfo(module="torch_inductor", own_server=False, version_is_torch=True, prepares=True,
-                                  causal_attention=True),
+                                  causal_attention=True, packed_input=True),
     # int8 and fp8 are TensorRT builder flags (fp16 kernels as the fallback).
     "tensorrt": BackendInfo(module="tensorrt", own_server=False, version_is_torch=False, prepares=False,
                             precisions=(*FLOAT_PRECISIONS, "int8", "fp8")),

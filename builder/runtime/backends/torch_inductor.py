@@ -45,20 +45,20 @@ import torch
 import torch._inductor
 
 from ..cachemirror import writable_mirror
-from ..causal_attention import attn_implementation
 from ..errors import UsageError
 from ..params import EngineParams
-from ..pooling import EmbeddingModule
+from ..pooling import EmbeddingModule, attention_implementation
 from ..sdpa import sdpa_backends, sdpa_kernels, sdpa_summary
 from .torch_common import (
     DTYPES,
     build_module,
+    call_example,
     eager_reference,
     example_inputs,
     export_graph,
     inductor_options,
     load_in_fresh_process,
-    tune_shape,
+    tuned_example,
     wrap_body,
 )
 
@@ -86,9 +86,13 @@ def warmup_shapes(params: EngineParams) -> list[tuple[int, int]]:
     return [(2, min(16, params.max_seq_len))]
 
 
-def _call(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Run on any shape: size-1 dims get specialised by tracing, so a single row is run as two
-    identical rows and the first result kept."""
+def _call(fn, *inputs: torch.Tensor) -> torch.Tensor:
+    """Run on any shape. Padded (ids, mask): size-1 dims get specialised by tracing, so a single row
+    is run as two identical rows and the first result kept. Packed (ids, seq_lengths, max_len): the
+    graph's dims start at 1 (torch_common's export), so inputs go as they are."""
+    if len(inputs) != 2:
+        return fn(*(t.contiguous() for t in inputs))
+    input_ids, attention_mask = inputs
     n = input_ids.shape[0]
     if n == 1:
         input_ids, attention_mask = input_ids.expand(2, -1), attention_mask.expand(2, -1)
@@ -110,12 +114,12 @@ def _compiled(module: EmbeddingModule):
     return torch.compile(module, fullgraph=False)
 
 
-def _call_dynamic(fn, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """torch.compile path: mark both dims dynamic so one trace serves every shape."""
-    for t in (input_ids, attention_mask):
-        torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(t, 1)
-    return fn(input_ids, attention_mask)
+def _call_dynamic(fn, *inputs: torch.Tensor) -> torch.Tensor:
+    """torch.compile path: mark every dim dynamic so one trace serves every shape."""
+    for t in inputs:
+        for dim in range(t.dim()):
+            torch._dynamo.mark_dynamic(t, dim)
+    return fn(*inputs)
 
 
 def _inductor_options(mode: str) -> dict:
@@ -129,7 +133,8 @@ def _graph_inputs(exported) -> list[dict]:
 
 
 def _flat_inputs(specs: list[dict], tensors: dict[str, torch.Tensor]):
-    """A builder of the artifact's argument list: graph tensors fixed once, the two inputs per call."""
+    """A builder of the artifact's argument list: graph tensors fixed once, the user inputs (ids and
+    mask, or the packed ids, seq_lengths and max_len) per call, in the graph's order."""
     fixed: list = []
     for spec in specs:
         kind = spec["kind"]
@@ -139,14 +144,15 @@ def _flat_inputs(specs: list[dict], tensors: dict[str, torch.Tensor]):
             fixed.append(spec["name"])  # filled per call
         else:
             raise RuntimeError(f"graph input kind {kind} ({spec['name']}) is not supported by the artifact loader")
-    slots = {i: name for i, name in enumerate(fixed) if isinstance(name, str)}
-    if sorted(slots.values()) != ["attention_mask", "input_ids"]:
-        raise RuntimeError(f"unexpected user inputs {sorted(slots.values())} in the exported graph")
+    slots = [i for i, name in enumerate(fixed) if isinstance(name, str)]
+    names = [fixed[i] for i in slots]
+    if names not in (["input_ids", "attention_mask"], ["input_ids", "seq_lengths", "max_len"]):
+        raise RuntimeError(f"unexpected user inputs {names} in the exported graph")
 
-    def build(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list:
+    def build(*inputs: torch.Tensor) -> list:
         args = list(fixed)
-        for i, name in slots.items():
-            args[i] = input_ids if name == "input_ids" else attention_mask
+        for i, tensor in zip(slots, inputs, strict=True):
+            args[i] = tensor
         return args
     return build
 
@@ -194,8 +200,8 @@ def load_graph_tensors(engine_dir: Path, files: list[str], device: str) -> dict[
 
 
 def _artifact_runner(artifact, build):
-    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return artifact(*build(input_ids, attention_mask))[0]
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        return artifact(*build(*inputs))[0]
     return run
 
 
@@ -207,7 +213,7 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
         raise RuntimeError("max_batch 1: the artifact's graph needs a dynamic batch dim (the loader pads 1 row to 2)")
     # The example's sizes are the hints Inductor tunes for (torch_common.tune_shape). Both dims stay
     # dynamic (1..max_batch, 2..max_seq_len) in the graph.
-    example = example_inputs(*tune_shape(params), params.device, params.pad_left)
+    example = tuned_example(params, params.device, params.pad_left)
     t0 = time.monotonic()
     with torch.no_grad(), sdpa_kernels():
         exported, dims = export_graph(module, example, params)
@@ -237,7 +243,8 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
     return {"file": INDUCTOR_ARTIFACT, "bytes": (out_dir / INDUCTOR_ARTIFACT).stat().st_size,
             "export_dims": dims, "export_seconds": round(t_export, 3), "compile_seconds": round(t_compile, 3),
             "check_cosine": round(cos, 6), "mode": params.compile_mode,
-            "tuned_for": "x".join(map(str, example[0].shape)), **sdpa_summary(exported.graph)}
+            "tuned_for": (f"{len(example[1])} sequences, {len(example[0])} tokens" if params.packed
+                          else "x".join(map(str, example[0].shape))), **sdpa_summary(exported.graph)}
 
 
 def _warm(fn, params: EngineParams) -> list[dict]:
@@ -245,7 +252,8 @@ def _warm(fn, params: EngineParams) -> list[dict]:
     with torch.no_grad():
         for b, s in warmup_shapes(params):
             t = time.monotonic()
-            _call(fn, *example_inputs(b, s, params.device, params.pad_left))
+            _call(fn, *(call_example(params, params.device) if params.packed
+                        else example_inputs(b, s, params.device, params.pad_left)))
             if params.device == "cuda":
                 torch.cuda.synchronize()
             done.append({"batch": b, "seq": s, "seconds": round(time.monotonic() - t, 3)})
@@ -289,12 +297,13 @@ def _compile(module, params: EngineParams, out_dir: Path, cache: Path, scratch: 
         _point_caches(cache)
         torch._dynamo.reset()
         with torch._inductor.config.patch(_inductor_options(params.compile_mode)["config_patches"]):
-            warm = _warm(lambda ids, mask: _call_dynamic(_compiled(module), ids, mask), params)
+            warm = _warm(lambda *inputs: _call_dynamic(_compiled(module), *inputs), params)
         form = "cache"
     files = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
     manifest = {"torch": torch.__version__, "form": form, "artifact": artifact, "warmup": warm, "files": files,
                 "mode": params.compile_mode,
-                "shapes": "batch and sequence dims dynamic (one graph; the loader pads batch 1 to 2)"}
+                "shapes": ("packed: tokens, sequences and the longest dynamic (one graph)" if params.packed else
+                           "batch and sequence dims dynamic (one graph; the loader pads batch 1 to 2)")}
     (out_dir / ARTIFACT).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return {"artifact": ARTIFACT, "export_dims": artifact.get("export_dims", "torch.compile dynamic"),
             "embedding_dim": int(module.body.config.hidden_size)}
@@ -363,7 +372,8 @@ def _module(engine_dir: Path, params: EngineParams, tensors: dict[str, torch.Ten
     config = AutoConfig.from_pretrained(str(engine_dir / WEIGHTS_SUBDIR))
     with torch.device(params.device):
         body = AutoModel.from_config(config, dtype=DTYPES[params.precision],
-                                     attn_implementation=attn_implementation(params.attention))
+                                     attn_implementation=attention_implementation(
+                                         "packed" if params.packed else params.attention))
     state = {k.removeprefix("body."): v for k, v in tensors.items() if k.startswith("body.")}
     body.load_state_dict(state, strict=False)  # non-persistent buffers are rebuilt by the constructor
     return wrap_body(body, params).eval()
@@ -392,7 +402,7 @@ def load(engine_dir: str | Path, params: EngineParams):
 
         inductor_config.compile_threads = inductor_config.decide_compile_threads()  # compiling after all
         compiled = _compiled(_module(engine_dir, params, tensors))
-        fn = lambda ids, mask: _call_dynamic(compiled, ids, mask)  # noqa: E731
+        fn = lambda *inputs: _call_dynamic(compiled, *inputs)  # noqa: E731
         # the cache form's warm-up cache; an artifact that did not load compiles anew ("jit")
         cache_form = (engine_dir / CACHE_SUBDIR).is_dir() and not (engine_dir / INDUCTOR_ARTIFACT).is_file()
         LAST_LOAD_PATH = "cache" if cache_form else "jit"
@@ -400,9 +410,9 @@ def load(engine_dir: str | Path, params: EngineParams):
         _warm(fn, params)  # else the first request pays the one-time costs
     device = params.device
 
-    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def run(*inputs: torch.Tensor) -> torch.Tensor:  # (ids, mask), or packed (ids, seq_lengths, max_len)
         with torch.no_grad():
-            out = _call(fn, input_ids.to(device), attention_mask.to(device))
+            out = _call(fn, *(t.to(device) for t in inputs))
         return out.float().cpu()
 
     return run
