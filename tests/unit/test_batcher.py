@@ -433,6 +433,14 @@ def test_batches_are_cut_by_the_token_budget(make):
     assert all(size <= 10 or len(call) == 1 for size, call in zip(sizes, engine.calls[1:], strict=True))
 
 
+def test_one_requests_inputs_add_up_against_the_budget(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=100, max_wait_ms=50, max_batch_tokens=10)
+    seqs = [[i] * 3 for i in range(1, 5)]  # 12 tokens: three inputs fit in 10, the fourth does not
+    assert batcher.submit(seqs).result(WAIT) == [vec(s) for s in seqs]
+    assert engine.calls == [seqs[:3], seqs[3:]]
+
+
 def test_a_full_token_budget_goes_without_waiting(make):
     engine = FakeEngine()
     batcher = make(engine, max_batch=100, max_wait_ms=5000, max_batch_tokens=8)

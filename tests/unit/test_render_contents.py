@@ -298,8 +298,10 @@ def test_a_recipe_overrides_the_input_form_and_is_checked(planned):
     assert render_mod._packed(variant, custom, spec) == {"max_sequences": 64, "max_batch_tokens": 256}
     # The budget must hold one full sequence and at most every sequence full.
     for tokens in (255, 64 * 256 + 1):
-        with pytest.raises(ConfigError, match=f"engine.max_batch_tokens {tokens} must be in max_seq_len..sequences"):
+        with pytest.raises(ConfigError) as err:
             render_mod._packed(variant, _with_engine(matrix, variant, max_sequences=64, max_batch_tokens=tokens), spec)
+        assert err.value.message == (f"minilm-embed:cpu: engine.max_batch_tokens {tokens} must be in "
+                                     "max_seq_len..sequences x max_seq_len (256..16384)")
     assert render_mod._packed(variant, _with_engine(matrix, variant, max_sequences=1, max_batch_tokens=256), spec)
     vllm = _variant(variants, "minilm-embed:cpu-vllm")
     asked = _with_engine(matrix, vllm, input="packed")
