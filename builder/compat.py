@@ -579,6 +579,10 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
     local_cuda = _torch_local_cuda(torch)
     if local_cuda and cuda and major_minor(local_cuda) != major_minor(cuda):
         ctx.reject(f"torch {torch} is built for CUDA {local_cuda}, but CUDA {cuda} was given.")
+    matches = kb.match_rows(("torch", "builds"), "torch", torch)
+    confirmed = matches[0] if len(matches) == 1 and _variants_confirmed(matches[0]) else None
+    if cuda and _cuda_dropped(ctx, torch, major_minor(cuda), confirmed, soft) and not soft:
+        return
     row = _unique(ctx, ("torch", "builds"), "torch", torch, "torch", explicit=explicit)
     if row is None:
         return
@@ -589,7 +593,7 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
     mm = major_minor(cuda)
     built = sorted({row["default_cuda"], *row["cuda_variants"]}, key=release)
     if mm not in built:
-        if row.get("variants_confirmed", True) and row.get("confirmed", True):
+        if _variants_confirmed(row):
             ctx.fact(row, f"torch {torch} has no CUDA {mm} build (PyPI default CUDA {row['default_cuda']}; "
                           f"download.pytorch.org variants: {', '.join(built)}) {src}.", soft=soft)
         else:
@@ -597,6 +601,25 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
                      f"(known: {', '.join(built)}) {src}.")
     if sm:
         _check_torch_arch(ctx, torch, mm, sm, soft)
+
+
+def _variants_confirmed(row: Mapping[str, Any]) -> bool:
+    return bool(row.get("variants_confirmed", True) and row.get("confirmed", True))
+
+
+def _cuda_dropped(ctx: _Ctx, torch: str, mm: str, confirmed: Mapping[str, Any] | None, soft: str) -> bool:
+    """Whether torch's CUDA mm line ended before this version (cuda_drops), with no confirmed builds row
+    listing it again; reported (with the source) when it did."""
+    for drop in ctx.kb.rows("torch", "cuda_drops"):
+        if drop["cuda"] != mm or release(torch) <= release(drop["last"]):
+            continue
+        if confirmed is not None and mm in {confirmed["default_cuda"], *confirmed["cuda_variants"]}:
+            return False  # a row brings the line back
+        ctx.fact(drop, f"torch built its last CUDA {mm} wheels at {drop['last']} and a dropped CUDA line does "
+                       f"not come back: torch {torch} has no CUDA {mm} build ({drop['note']}) "
+                       f"{ctx.kb.source_text(drop)}.", soft=soft)
+        return True
+    return False
 
 
 def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> None:

@@ -697,3 +697,36 @@ def test_missing_file(tmp_path):
         load_knowledge_base(path)
     assert str(exc.value) == (f"{path}: cannot read the compatibility knowledge base: [Errno 2] No such file or "
                               f"directory: '{path}'")
+
+
+# ------------------------------------------------------------------------------ dropped CUDA lines
+
+DROPPED_118 = ("torch built its last CUDA 11.8 wheels at 2.8 and a dropped CUDA line does not come back: torch {} has "
+               "no CUDA 11.8 build (2.9-2.11 variant indexes: 12.6/12.8/13.0) (source: TORCH-IDX).")
+
+
+def test_a_dropped_cuda_line_is_rejected_in_every_later_version():
+    """The issue's case: vLLM 0.27.1 pins torch 2.13, whose variants are unconfirmed; torch's CUDA 11.8 line
+    ended at 2.8, so CUDA 11.8 is rejected with the source, not warned about."""
+    reasons, warnings = _verdict(cuda="11.8", vllm="0.27.1")
+    assert reasons == (DROPPED_118.format("2.13.0"),)
+    assert not any("UNCONFIRMED: torch" in w for w in warnings)
+    assert _verdict(cuda="11.8", torch="2.9.0")[0] == (DROPPED_118.format("2.9.0"),)
+    # a version the knowledge base has no row for inherits the drop too
+    assert _verdict(cuda="11.8", torch="2.15.0")[0][0] == DROPPED_118.format("2.15.0")
+    assert _verdict(cuda="11.8", torch="2.8.0") == ((), ())  # the last version with the line
+    assert _verdict(cuda="12.4", torch="2.7.0")[0][0].startswith("torch built its last CUDA 12.4 wheels at 2.6")
+
+
+def test_a_confirmed_row_brings_a_dropped_line_back_and_an_implied_torch_only_warns():
+    back = _edited(lambda d: _row(d, ("torch", "builds"), "torch", "2.9-2.10")["cuda_variants"].append("11.8"))
+    assert _verdict(back, cuda="11.8", torch="2.9.0") == ((), ())
+    # listed again only by a row with unconfirmed variants: still dropped
+    unconfirmed = _edited(lambda d: _row(d, ("torch", "builds"), "torch", "2.13")["cuda_variants"].append("11.8"))
+    assert _verdict(unconfirmed, cuda="11.8", torch="2.13.0")[0] == (DROPPED_118.format("2.13.0"),)
+    # torch implied by a TensorRT-LLM pin (its releases ship their own torch): a warning, as other torch facts
+    verdict = check(Combo(cuda="11.8", tensorrt_llm="1.2.0"))
+    assert verdict.resolved["torch"] == "2.9.1" and not any("dropped CUDA line" in r for r in verdict.reasons)
+    assert [w for w in verdict.warnings if "dropped CUDA line" in w] == [
+        DROPPED_118.format("2.9.1").rstrip(".") + ". torch 2.9.1 is implied by the TensorRT-LLM 1.2.0 pin, whose "
+        "releases ship their own torch build, so this is not enforced."]

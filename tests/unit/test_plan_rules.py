@@ -53,9 +53,9 @@ def test_mini_plan(workdir):
 
 
 def test_json_of_a_plan(workdir):
-    # cuda 12.1: torch 2.13's build is unconfirmed (a warning), torch 2.11 has none (picked past); sm 120
-    # needs CUDA 12.8 (rejected).
-    plan = plan_of(workdir, ('cuda: ["12.4", "12.8"]', 'cuda: ["12.1"]'), ("sm: [80, 90]", "sm: [80, 120]"),
+    # cuda 12.5: torch 2.13's build is unconfirmed (a warning), torch 2.11 has none (picked past); sm 120
+    # needs CUDA 12.8 (rejected). (Not CUDA 12.1: torch dropped that line after 2.5, compat.yaml cuda_drops.)
+    plan = plan_of(workdir, ('cuda: ["12.4", "12.8"]', 'cuda: ["12.5"]'), ("sm: [80, 90]", "sm: [80, 120]"),
                    ('torch: ["2.6.0", "2.7.1"]', 'torch: ["2.11.0", "2.13.0", "2.7.1"]'))
     data = json.loads(json.dumps(plan.to_json()))
     v, cpu = plan.variants
@@ -65,17 +65,17 @@ def test_json_of_a_plan(workdir):
         "variants": [{"id": x.id, "image": "minilm-embed", "flavour": x.flavour, "backend": "torch-aot",
                       "device": x.device, "repository": "acme/minilm-embed", "tag": x.tag, "tags": [x.tag, x.long_tag],
                       "axes": x.axes, "resolved": x.resolved, "warnings": list(x.warnings)} for x in (v, cpu)],
-        "rejected": [{"id": "minilm-embed:cu121-sm120", "image": "minilm-embed", "flavour": "gpu",
-                      "axes": {"cuda": "12.1", "sm": "120", "base": "deb"}, "reasons": list(r.reasons)}],
+        "rejected": [{"id": "minilm-embed:cu125-sm120", "image": "minilm-embed", "flavour": "gpu",
+                      "axes": {"cuda": "12.5", "sm": "120", "base": "deb"}, "reasons": list(r.reasons)}],
         "combinations": 3,
         "warnings": list(v.warnings),
     }
-    assert (v.id, v.resolved["torch"]) == ("minilm-embed:cu121-sm80", "2.13.0")
+    assert (v.id, v.resolved["torch"]) == ("minilm-embed:cu125-sm80", "2.13.0")
     assert r.reasons and all("12.8" in reason or "120" in reason for reason in r.reasons)
 
 
 def test_plan_warnings_sorted_and_unique(workdir):
-    plan = plan_of(workdir, ('cuda: ["12.4", "12.8"]', 'cuda: ["12.1"]'),
+    plan = plan_of(workdir, ('cuda: ["12.4", "12.8"]', 'cuda: ["12.5"]'),
                    ('torch: ["2.6.0", "2.7.1"]', 'torch: ["2.13.0", "2.7.1"]'))
     assert len(plan.variants) == 3 and all(v.warnings for v in plan.variants[:2])
     assert plan.warnings == tuple(sorted({w for v in plan.variants for w in v.warnings}))
