@@ -611,7 +611,8 @@ def _cuda_dropped(ctx: _Ctx, torch: str, mm: str, confirmed: Mapping[str, Any] |
     """Whether torch's CUDA mm line ended before this version (cuda_drops), with no confirmed builds row
     listing it again; reported (with the source) when it did."""
     for drop in ctx.kb.rows("torch", "cuda_drops"):
-        if drop["cuda"] != mm or release(torch) <= release(drop["last"]):
+        last = release(drop["last"])
+        if drop["cuda"] != mm or release(torch)[:len(last)] <= last:  # "2.8" covers 2.8.1 too
             continue
         if confirmed is not None and mm in {confirmed["default_cuda"], *confirmed["cuda_variants"]}:
             return False  # a row brings the line back

@@ -721,6 +721,8 @@ def test_a_dropped_cuda_line_is_rejected_in_every_later_version():
 def test_a_confirmed_row_brings_a_dropped_line_back_and_an_implied_torch_only_warns():
     back = _edited(lambda d: _row(d, ("torch", "builds"), "torch", "2.9-2.10")["cuda_variants"].append("11.8"))
     assert _verdict(back, cuda="11.8", torch="2.9.0") == ((), ())
+    # ... and the rest of torch's checks still run on it
+    assert check(Combo(cuda="11.8", torch="2.9.0"), back).resolved["torch_default_cuda"] == "12.8"
     # listed again only by a row with unconfirmed variants: still dropped
     unconfirmed = _edited(lambda d: _row(d, ("torch", "builds"), "torch", "2.13")["cuda_variants"].append("11.8"))
     assert _verdict(unconfirmed, cuda="11.8", torch="2.13.0")[0] == (DROPPED_118.format("2.13.0"),)
@@ -730,3 +732,14 @@ def test_a_confirmed_row_brings_a_dropped_line_back_and_an_implied_torch_only_wa
     assert [w for w in verdict.warnings if "dropped CUDA line" in w] == [
         DROPPED_118.format("2.9.1").rstrip(".") + ". torch 2.9.1 is implied by the TensorRT-LLM 1.2.0 pin, whose "
         "releases ship their own torch build, so this is not enforced."]
+
+
+def test_the_last_version_of_a_dropped_line_is_judged_by_its_own_row():
+    """A drop applies after `last`, not at it: torch 2.7 with a line dropped "after 2.7" that its row does
+    not list gets the row's own fact, not the drop's."""
+    kb = _edited(lambda d: d["torch"]["cuda_drops"].append({"cuda": "12.5", "last": "2.7", "note": "n", "source": "X"}))
+    assert _verdict(kb, cuda="12.5", torch="2.7.0")[0] == (
+        "torch 2.7.0 has no CUDA 12.5 build (PyPI default CUDA 12.6; download.pytorch.org variants: 11.8, 12.6, "
+        "12.8) (source: PYPI-TORCH; TORCH-IDX).",)
+    assert _verdict(kb, cuda="12.5", torch="2.7.1")[0][0].startswith("torch 2.7.1 has no CUDA 12.5 build")
+    assert _verdict(kb, cuda="12.5", torch="2.8.0")[0][0].startswith("torch built its last CUDA 12.5 wheels at 2.7")
