@@ -19,6 +19,8 @@ no mask, and the pack reaches each attention layer through the forward's keyword
 """
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 from torch import nn
 
@@ -32,7 +34,9 @@ def gathers_attention(device: str, precision: str) -> bool:
 
 
 class Pack:
-    """Where each token of the stream belongs, computed once per call from the sequence lengths."""
+    """Where each token of the stream belongs, computed once per call from the sequence lengths; what
+    attention needs of it (offsets for flash, the gather block elsewhere) is computed at first use and
+    shared by every layer."""
 
     def __init__(self, lengths: torch.Tensor, tokens: int, max_len: torch.Tensor):
         self.lengths = lengths.long()  # [sequences]
@@ -41,11 +45,34 @@ class Pack:
         index = torch.arange(tokens, device=lengths.device)
         self.segment = torch.searchsorted(self.ends, index, right=True)  # [tokens]: its sequence
         self.positions = index - self.starts[self.segment]  # [tokens]: its place in that sequence
+        self.tokens = tokens
         self.longest = max_len.shape[0]
         self.max_len = max_len
+        self._masks: dict[bool, torch.Tensor] = {}
 
+    @cached_property
     def cu_seqlens(self) -> torch.Tensor:
+        """int32 [sequences + 1] offsets, for flash attention."""
         return torch.cat([self.ends.new_zeros(1), self.ends]).to(torch.int32)
+
+    @cached_property
+    def block_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid [sequences, longest], rows [sequences, longest]): each sequence's token rows, padded
+        with `tokens` (the index of a zero row appended to the stream)."""
+        offsets = torch.arange(self.longest, device=self.lengths.device)
+        valid = offsets[None, :] < self.lengths[:, None]
+        return valid, torch.where(valid, self.starts[:, None] + offsets[None, :], self.tokens)
+
+    def block_mask(self, causal: bool) -> torch.Tensor:
+        """SDPA's boolean mask over the block: real keys only, and no later position when causal."""
+        if causal not in self._masks:
+            valid, _ = self.block_rows
+            mask = valid[:, None, None, :]
+            if causal:
+                offsets = torch.arange(self.longest, device=valid.device)
+                mask = mask & (offsets[None, :] <= offsets[:, None])[None, None]
+            self._masks[causal] = mask
+        return self._masks[causal]
 
 
 def _pack_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -55,7 +82,7 @@ def _pack_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     causal = bool(getattr(module, "is_causal", False))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     if q.is_cuda and q.dtype in _FLASH_DTYPES:
-        cu = pack.cu_seqlens()
+        cu = pack.cu_seqlens
         out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, pack.longest, pack.longest, 0.0, causal,
                                                       False, scale=scaling)[0]
         return out.unsqueeze(0), None
@@ -63,20 +90,16 @@ def _pack_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def _gathered_attention(q, k, v, pack: Pack, causal: bool, scaling):
-    tokens, longest = q.shape[0], pack.longest
-    offsets = torch.arange(longest, device=q.device)
-    valid = offsets[None, :] < pack.lengths[:, None]  # [sequences, longest]
-    rows = torch.where(valid, pack.starts[:, None] + offsets[None, :], tokens)  # tokens: a zero row
+    longest = pack.longest
+    _, rows = pack.block_rows
 
     def block(t):  # [tokens, h, d] -> [sequences, h, longest, d]
         padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
         return padded[rows].transpose(1, 2)
 
-    mask = valid[:, None, None, :]
-    if causal:
-        mask = mask & (offsets[None, :] <= offsets[:, None])[None, None]
-    out = torch.nn.functional.scaled_dot_product_attention(block(q), block(k), block(v), attn_mask=mask,
-                                                           scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(block(q), block(k), block(v),
+                                                           attn_mask=pack.block_mask(causal), scale=scaling,
+                                                           enable_gqa=k.shape[1] != q.shape[1])
     sequences, heads, _, dim = out.shape
     out = out.transpose(1, 2).reshape(sequences * longest, heads, dim)
     return out[pack.segment * longest + pack.positions]  # the real rows, in stream order

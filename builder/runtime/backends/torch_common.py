@@ -73,8 +73,8 @@ def tuned_example(params: EngineParams, device: str, pad_left: bool):
 
 
 def packed_example(b: int, s: int, budget: int, device: str):
-    """A packed call of up to b sequences of length s within the token budget; the second half as long,
-    so sequences of different lengths are traced."""
+    """A packed call of up to b sequences of length s within the token budget, the second of them half
+    as long, so sequences of different lengths are traced."""
     lengths = [s] * max(2, min(b, budget // s))
     lengths[1] = max(1, s // 2)
     return tuple(t.to(device) for t in pack([[1] * n for n in lengths]))
