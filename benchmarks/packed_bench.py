@@ -136,6 +136,7 @@ def measure(name: str, a, padded_call, engine=None) -> dict:
     embed path the log-normal case and, for packed engines, the fixed shapes go through."""
     import torch
 
+    from builder.runtime.backends import dense_packing
     from builder.runtime.packed import pack
 
     dev = a.device
@@ -148,7 +149,7 @@ def measure(name: str, a, padded_call, engine=None) -> dict:
         ids, mask, lengths = padded_case(b, s, half, dev)
         if packed:
             seqs = [row[:n].tolist() for row, n in zip(ids, lengths, strict=True)]
-            inputs = tuple(t.to(dev) for t in pack(seqs))
+            inputs = tuple(t.to(dev) for t in pack(seqs, dense_packing(engine.params)))
             call = lambda inputs=inputs: engine.run(*inputs)  # noqa: E731
         else:
             call = lambda ids=ids, mask=mask: padded_call(ids, mask)  # noqa: E731

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import fingerprint
-from .backends import backend_info, get_backend
+from .backends import backend_info, dense_packing, get_backend
 from .params import SEQ_BUCKET, EngineParams
 from .tokenization import TextEncoder
 
@@ -120,6 +120,7 @@ class Engine:
             from .packed import gathers_attention, pack
 
             p = self.params
+            dense = dense_packing(p)
             # Attention gathered per sequence costs what it costs padded to the call's longest: cut
             # where padding would (plan_calls); the other layers see only real tokens either way.
             groups = (plan_calls(lengths, p.max_batch, p.max_seq_len, CALL_COST_TOKENS[p.device])
@@ -127,7 +128,7 @@ class Engine:
             for first, last in groups:
                 for start, end in pack_calls(lengths[first:last], p.max_batch, p.batch_tokens):
                     idx = order[first + start:first + end]
-                    out[idx] = self.run(*pack([seqs[i] for i in idx]))
+                    out[idx] = self.run(*pack([seqs[i] for i in idx], dense))
             return out
         cost = (UNPADDED_CALL_COST if backend_info(self.params.backend).unpadded
                 else CALL_COST_TOKENS.get(self.params.device, CALL_COST_TOKENS["cuda"]))

@@ -1,17 +1,22 @@
 """input "packed": every sequence of a batch in one token stream, no padding (what vLLM's pooling
 runner and TEI do).
 
-An engine call takes input_ids [tokens] (all sequences concatenated), seq_lengths [sequences] (int32)
-and max_len [longest sequence] (a tensor whose length is the longest sequence's: it carries that size
-into the graph as a dynamic dim; its values are unused). Lengths rather than cumulative offsets: a
-slice of a dynamic dim (offsets[1:]) makes torch.export assume more than one sequence comes.
-Positions restart at 0 in each sequence. Every layer but attention works on the real tokens only;
-attention keeps sequences apart:
-- CUDA, fp16/bf16: variable-length flash attention (aten._flash_attention_forward with cumulative
-  sequence lengths), which neither pads nor masks;
-- elsewhere (CPU, fp32): each sequence's rows gathered into a [sequences, longest] block, SDPA with
-  the key-padding (and causal) mask, and the real rows gathered back. Attention then costs what it
-  costs padded; the projections, MLPs and norms, most of the work, still see no padding.
+An engine call takes input_ids [rows, row_len] (all sequences concatenated: [1, tokens] for a call of
+mixed lengths, [sequences, length] when every sequence is as long as the others), seq_lengths
+[sequences] (int32) and max_len [longest sequence] (a tensor whose length is the longest sequence's: it
+carries that size into the graph as a dynamic dim; its values are unused). Lengths rather than
+cumulative offsets: a slice of a dynamic dim (offsets[1:]) makes torch.export assume more than one
+sequence comes. Positions restart at 0 in each sequence. Every layer but attention works on the real
+tokens only; attention keeps sequences apart, chosen per call in the graph (torch.cond on rows > 1):
+- a uniform call: dense SDPA on [sequences, heads, length, dim], no mask (nothing is padded), cuDNN's
+  kernel first on CUDA: at 64 x 512 it takes half the time of variable-length flash
+  (benchmarks/results/attention_probe_h200.json). The dense shape is the input's own: reshaping the
+  stream by the sequence count would assume tokens = sequences x longest, which export refuses;
+- a mixed call on CUDA, fp16/bf16: variable-length flash attention (aten._flash_attention_forward
+  with cumulative sequence lengths), which neither pads nor masks;
+- a mixed call elsewhere (CPU, fp32): each sequence's rows gathered into a [sequences, longest] block,
+  SDPA with the key-padding (and causal) mask, and the real rows gathered back. Attention then costs
+  what it costs padded; the projections, MLPs and norms, most of the work, still see no padding.
 Pooling is per sequence (first token, last token, or mean over the sequence's tokens).
 
 Registered under transformers' attention and mask interfaces as ATTN_IMPLEMENTATION: the body gets
@@ -19,7 +24,8 @@ no mask, and the pack reaches each attention layer through the forward's keyword
 """
 from __future__ import annotations
 
-from functools import cached_property
+from contextlib import nullcontext
+from functools import cached_property, partial
 
 import torch
 from torch import nn
@@ -33,12 +39,21 @@ def gathers_attention(device: str, precision: str) -> bool:
     return device != "cuda" or precision not in ("fp16", "bf16")
 
 
+def attention_plan(device: str, precision: str, dense: bool) -> dict[str, str]:
+    """What attention a packed engine runs, per kind of call (recorded in engine.json)."""
+    mixed = "gathered sdpa (masked block)" if gathers_attention(device, precision) else "flash varlen"
+    return {"mixed": mixed, "uniform": "dense sdpa" if dense else mixed}
+
+
 class Pack:
     """Where each token of the stream belongs, computed once per call from the sequence lengths; what
     attention needs of it (offsets for flash, the gather block elsewhere) is computed at first use and
     shared by every layer."""
 
-    def __init__(self, lengths: torch.Tensor, tokens: int, max_len: torch.Tensor):
+    def __init__(self, lengths: torch.Tensor, rows: torch.Tensor, max_len: torch.Tensor, dense: bool = True):
+        tokens = rows.shape[0] * rows.shape[1]
+        self.rows = rows  # the call's input_ids [rows, row_len]: its shape says whether the call is uniform
+        self.dense = dense  # whether a uniform call takes dense attention (else every call the mixed path)
         self.lengths = lengths.long()  # [sequences]
         self.ends = torch.cumsum(self.lengths, 0)
         self.starts = self.ends - self.lengths
@@ -63,6 +78,11 @@ class Pack:
         valid = offsets[None, :] < self.lengths[:, None]
         return valid, torch.where(valid, self.starts[:, None] + offsets[None, :], self.tokens)
 
+    @cached_property
+    def stream_rows(self) -> torch.Tensor:
+        """[tokens]: each token's row in the [sequences * longest] block, in stream order."""
+        return self.segment * self.longest + self.positions
+
     def block_mask(self, causal: bool) -> torch.Tensor:
         """SDPA's boolean mask over the block: real keys only, and no later position when causal."""
         if causal not in self._masks:
@@ -82,27 +102,57 @@ def _pack_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     causal = bool(getattr(module, "is_causal", False))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     if q.is_cuda and q.dtype in _FLASH_DTYPES:
-        cu = pack.cu_seqlens
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, pack.longest, pack.longest, 0.0, causal,
-                                                      False, scale=scaling)[0]
-        return out.unsqueeze(0), None
-    return _gathered_attention(q, k, v, pack, causal, scaling).unsqueeze(0), None
+        mixed = partial(_flash_attention, causal=causal, scaling=scaling)
+        operands = (q, k, v, pack.rows, pack.cu_seqlens, pack.max_len)
+    else:
+        mixed = partial(_gathered_attention, causal=causal, scaling=scaling)
+        operands = (q, k, v, pack.rows, pack.block_rows[1], pack.block_mask(causal), pack.stream_rows)
+    if not pack.dense:
+        return mixed(*operands).flatten(0, 1).unsqueeze(0), None
+    dense = partial(_dense_attention, causal=causal, scaling=scaling)
+    # Both branches return [rows, row_len, heads, dim], densely strided, as cond requires. Run eagerly
+    # the rows are a number and the branch is called; traced they are a symbol and the graph keeps both.
+    uniform = pack.rows.shape[0] > 1
+    out = (dense if uniform else mixed)(*operands) if isinstance(uniform, bool) else \
+        torch.cond(uniform, dense, mixed, operands)
+    return out.flatten(0, 1).unsqueeze(0), None
 
 
-def _gathered_attention(q, k, v, pack: Pack, causal: bool, scaling):
-    longest = pack.longest
-    _, rows = pack.block_rows
+def _dense_attention(q, k, v, rows, *_, causal: bool, scaling):
+    """Every sequence as long as the call's row: [rows * row_len] stream -> [rows, heads, row_len, dim]."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n, length = rows.shape
+    blocks = [t.view(n, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)]
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    with sdpa_kernel(order, set_priority=True) if q.is_cuda else nullcontext():
+        out = torch.nn.functional.scaled_dot_product_attention(*blocks, is_causal=causal, scale=scaling,
+                                                               enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+def _flash_attention(q, k, v, rows, cu_seqlens, max_len, *, causal: bool, scaling):
+    longest = max_len.shape[0]
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, causal,
+                                                  False, scale=scaling)[0]
+    return out.view(*rows.shape, *out.shape[1:])
+
+
+def _gathered_attention(q, k, v, rows, block_rows, block_mask, stream_rows, *, causal: bool, scaling):
+    """block_rows [sequences, longest]: each sequence's token rows, padded with the index of a zero row
+    appended to the stream; stream_rows [tokens]: each token's row in the block's output, in stream order."""
+    sequences, longest = block_rows.shape
 
     def block(t):  # [tokens, h, d] -> [sequences, h, longest, d]
         padded = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
-        return padded[rows].transpose(1, 2)
+        return padded[block_rows].transpose(1, 2)
 
-    out = torch.nn.functional.scaled_dot_product_attention(block(q), block(k), block(v),
-                                                           attn_mask=pack.block_mask(causal), scale=scaling,
-                                                           enable_gqa=k.shape[1] != q.shape[1])
-    sequences, heads, _, dim = out.shape
-    out = out.transpose(1, 2).reshape(sequences * longest, heads, dim)
-    return out[pack.segment * longest + pack.positions]  # the real rows, in stream order
+    out = torch.nn.functional.scaled_dot_product_attention(block(q), block(k), block(v), attn_mask=block_mask,
+                                                           scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    heads, dim = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(sequences * longest, heads, dim)[stream_rows]
+    return out.view(*rows.shape, heads, dim)
 
 
 def _no_mask(*args, **kwargs):
@@ -131,8 +181,9 @@ def pool_packed(hidden: torch.Tensor, pack: Pack, pooling: str) -> torch.Tensor:
 class PackedEmbeddingModule(nn.Module):
     """A transformers body (loaded with ATTN_IMPLEMENTATION) + per-sequence pooling (+ L2 norm)."""
 
-    def __init__(self, body: nn.Module, pooling: str, normalize: bool):
+    def __init__(self, body: nn.Module, pooling: str, normalize: bool, dense: bool = True):
         super().__init__()
+        self.dense = dense  # uniform calls as [sequences, length] with dense attention (pack(dense=True))
         self.body = body
         self.pooling = pooling
         self.normalize = normalize
@@ -141,19 +192,23 @@ class PackedEmbeddingModule(nn.Module):
         self.token_types = getattr(body.config, "type_vocab_size", 0) > 0
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
-        pack = Pack(seq_lengths, input_ids.shape[0], max_len)
+        pack = Pack(seq_lengths, input_ids, max_len, self.dense)
+        stream = input_ids.reshape(1, -1)
         kwargs = {"position_ids": pack.positions[None], "mopt_pack": pack}
         if self.token_types:
-            kwargs["token_type_ids"] = torch.zeros_like(input_ids)[None]
-        out = self.body(input_ids=input_ids[None], **kwargs)
+            kwargs["token_type_ids"] = torch.zeros_like(stream)
+        out = self.body(input_ids=stream, **kwargs)
         emb = pool_packed(out.last_hidden_state[0], pack, self.pooling).float()
         if self.normalize:
             emb = torch.nn.functional.normalize(emb, p=2.0, dim=-1)
         return emb
 
 
-def pack(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sequences of token ids -> the engine's inputs (input_ids, seq_lengths, max_len)."""
+def pack(seqs: list[list[int]], dense: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sequences of token ids -> the engine's inputs (input_ids, seq_lengths, max_len); input_ids is
+    [sequences, length] when every sequence has the same length and the engine is dense, else
+    [1, tokens]."""
     lengths = [len(s) for s in seqs]
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    ids = ids.view(len(seqs), -1) if dense and len(set(lengths)) == 1 else ids.view(1, -1)
     return ids, torch.tensor(lengths, dtype=torch.int32), torch.zeros(max(lengths), dtype=torch.int8)

@@ -60,6 +60,13 @@ def test_a_packed_call_equals_each_text_alone(family, tiny_qwen3):
         alone = packed(*pack(seqs[3:4]))
         reversed_ = packed(*pack(seqs[::-1])).flip(0)
     assert (alone[0] - got[3]).abs().max().item() < 1e-5 and (reversed_ - got).abs().max().item() < 1e-5
+    # A call of equal lengths goes as [sequences, length] and takes dense attention: the same results.
+    same = random_seqs(packed.body.config.vocab_size, (9, 9, 9), seed=3)
+    ids, _, _ = pack(same, dense=True)
+    assert ids.shape == (3, 9) and pack(same[:1], dense=True)[0].shape == (1, 9)
+    assert pack(same)[0].shape == (1, 27)  # an engine without dense packing: one stream
+    with torch.no_grad():
+        assert (packed(*pack(same, dense=True)) - one_at_a_time(padded, same)).abs().max().item() < 1e-5
 
 
 def test_a_decoder_token_attends_to_its_own_sequence_only(tiny_qwen3):
@@ -80,9 +87,12 @@ def test_the_exported_graph_takes_one_token_and_many_sequences():
     exported, dims = export_graph(module, tuned_example(params, "cpu", False), params)
     assert dims == "packed"
     graph = exported.module()
-    for seqs in ([[101]], random_seqs(1000, (64, 64)), random_seqs(1000, (1, 2, 3, 4, 5, 6, 7, 8))):
-        with torch.no_grad():
-            assert (graph(*pack(seqs)) - module(*pack(seqs))).abs().max().item() < 1e-5
+    padded = build_module(str(minilm_dir()), EngineParams(pooling="mean", max_batch=8, max_seq_len=64),
+                          torch.float32, "cpu")
+    for lengths in ((1,), (64, 64), (1, 2, 3, 4, 5, 6, 7, 8), (2, 2, 2, 2, 2, 2, 2, 2), (16, 16, 16, 16)):
+        seqs = random_seqs(1000, lengths)
+        with torch.no_grad():  # uniform calls take the graph's dense branch, mixed ones the gathered
+            assert (graph(*pack(seqs, dense=True)) - one_at_a_time(padded, seqs)).abs().max().item() < 1e-5
 
 
 def test_pack_calls_fill_the_budget_and_the_row_cap():
@@ -135,6 +145,7 @@ def test_a_compiled_packed_engine_matches_its_reference_within_its_budget(packed
     assert info["params"]["shape_policy"].startswith("packed")
     if info["backend"] == "torch-aot":
         assert info["export_dims"] == "packed" and info["input_form"] == "packed"
+        assert info["packed_attention"] == {"mixed": "gathered sdpa (masked block)", "uniform": "dense sdpa"}
     else:  # torch-inductor: the standalone artifact, its kernels shipped (a start builds none)
         manifest = json.loads((out / "engine" / "compile_cache.json").read_text())
         assert manifest["form"] == "artifact" and manifest["artifact"]["export_dims"] == "packed"
@@ -144,14 +155,20 @@ def test_a_compiled_packed_engine_matches_its_reference_within_its_budget(packed
     run = engine.run
     engine.run = lambda *inputs: calls.append(inputs) or run(*inputs)
     ref = json.loads((out / "reference.json").read_text())
-    texts = ref["texts"] * 5  # 15 inputs: several calls
-    got = engine.embed_texts(texts)
-    for g, w in zip(got, ref["embeddings"] * 5, strict=True):
+    texts = ref["texts"] * 5  # 15 inputs: several calls, of mixed lengths
+    got = engine.embed_texts(texts) + engine.embed_texts(ref["texts"][:1] * 4)  # one uniform call
+    for g, w in zip(got, ref["embeddings"] * 5 + ref["embeddings"][:1] * 4, strict=True):
         assert sum(a * b for a, b in zip(g, w, strict=True)) / math.hypot(*g) / math.hypot(*w) >= 0.9999
     assert len(calls) > 1
+    forms = set()
     for ids, lengths, longest in calls:
-        assert ids.dim() == 1 and len(ids) == int(lengths.sum()) <= 96 and len(lengths) <= 8
+        assert ids.numel() == int(lengths.sum()) <= 96 and len(lengths) <= 8
         assert len(longest) == int(lengths.max())
+        uniform = bool((lengths == lengths[0]).all()) and len(lengths) > 1
+        dense = uniform and info["backend"] == "torch-aot"  # torch-inductor: every call one stream (CPU here)
+        assert ids.shape == ((len(lengths), int(lengths[0])) if dense else (1, ids.numel()))
+        forms.add(uniform)
+    assert forms == {True, False}  # uniform and mixed calls both ran (torch-aot: both graph branches)
 
 
 def test_the_server_batches_a_packed_engine_by_its_token_budget(packed_engine):

@@ -63,12 +63,18 @@ class BackendInfo:
     causal_attention: bool = False  # takes --attention causal (right padding, SDPA's is_causal)
     unpadded: bool = False  # drops the padding itself (vLLM packs sequences): calls are cut by row count only
     packed_input: bool = False  # compiles --input packed engines (one token stream per call: packed.py)
+    # Devices where its packed graph takes a call of equal lengths as [sequences, length], with dense
+    # attention (torch.cond in the graph); elsewhere every call is one stream. Only where measured
+    # exact: AOTInductor on CUDA (torch 2.11) miscomputes a graph holding cond, though the exported
+    # graph is exact; torch-inductor's standalone artifact cannot save one ("no artifact to save").
+    # docs/performance.md, "Dense attention for uniform calls".
+    packed_dense: tuple[str, ...] = ()
 
 
 # The one place a backend is registered (the host side describes it in builder/data/backends/<name>.yaml).
 BACKENDS: dict[str, BackendInfo] = {
     "torch-aot": BackendInfo(module="torch_aot", own_server=False, version_is_torch=True, prepares=False,
-                             causal_attention=True, packed_input=True),
+                             causal_attention=True, packed_input=True, packed_dense=("cpu",)),
     "torch-inductor": BackendInfo(module="torch_inductor", own_server=False, version_is_torch=True, prepares=True,
                                   causal_attention=True, packed_input=True),
     # int8 and fp8 are TensorRT builder flags (fp16 kernels as the fallback).
@@ -79,6 +85,11 @@ BACKENDS: dict[str, BackendInfo] = {
     "vllm": BackendInfo(module="vllm_backend", own_server=False, version_is_torch=False, prepares=False,
                         unpadded=True),
 }
+
+
+def dense_packing(params: EngineParams) -> bool:
+    """Whether this engine's packed calls of equal lengths go as [sequences, length] (packed.py)."""
+    return params.packed and params.device in backend_info(params.backend).packed_dense
 
 
 def backend_info(name: str) -> BackendInfo:

@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from ..packed import attention_plan
 from ..params import EngineParams
 from ..sdpa import sdpa_kernels, sdpa_summary
+from . import dense_packing
 from .torch_common import (
     DTYPES,
     build_module,
@@ -72,9 +74,11 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     so = unpack(Path(path), out_dir / UNPACKED)
     Path(path).unlink()  # the unpacked files are the engine: shipping both would double the image's weights
     check_loads_fresh(out_dir, params)
-    tuned = (f"{len(example[1])} sequences, {len(example[0])} tokens" if params.packed
+    tuned = (f"{len(example[1])} sequences, {example[0].numel()} tokens" if params.packed
              else "x".join(map(str, example[0].shape)))
     recorded = {"tuned_for": tuned, "input_form": params.input_form, "inductor_options": options}
+    if params.packed:
+        recorded["packed_attention"] = attention_plan(params.device, params.precision, dense_packing(params))
     if params.device == "cuda":
         recorded["sdpa"] = sdpa_summary(exported.graph)
     return {"artifact": so.relative_to(out_dir).as_posix(), "export_dims": dims,

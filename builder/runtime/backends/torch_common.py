@@ -21,6 +21,7 @@ from ..params import EngineParams
 from ..pooling import EmbeddingModule, load_body
 from ..rotary import rotary_as_product
 from ..tokenization import TextEncoder
+from . import dense_packing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def wrap_body(body, params: EngineParams, model_rotary: bool = False) -> Embeddi
     if not model_rotary:
         rotary_as_product(body)
     if params.packed:
-        return PackedEmbeddingModule(body, params.pooling, params.normalize)
+        return PackedEmbeddingModule(body, params.pooling, params.normalize, dense_packing(params))
     return EmbeddingModule(body, params.pooling, params.normalize, left_padded=params.pad_left)
 
 
@@ -68,23 +69,26 @@ def tune_shape(params: EngineParams) -> tuple[int, int]:
 def tuned_example(params: EngineParams, device: str, pad_left: bool):
     """Example inputs at the shape the kernels are tuned for (tune_shape)."""
     if params.packed:
-        return packed_example(*tune_shape(params), params.batch_tokens, device)
+        return packed_example(*tune_shape(params), params.batch_tokens, device, dense_packing(params))
     return example_inputs(*tune_shape(params), device, pad_left)
 
 
-def packed_example(b: int, s: int, budget: int, device: str):
-    """A packed call of up to b sequences of length s within the token budget, the second of them half
-    as long, so sequences of different lengths are traced."""
+def packed_example(b: int, s: int, budget: int, device: str, dense: bool):
+    """A packed call of up to b sequences of length s within the token budget. Dense engines: every
+    sequence as long (input_ids [rows, length]), so no dim of the example is 1, which tracing would
+    specialise; the graph traces the mixed branch as well (packed.py). Others: one stream [1, tokens],
+    the second sequence half as long, so sequences of different lengths are traced."""
     lengths = [s] * max(2, min(b, budget // s))
-    lengths[1] = max(1, s // 2)
-    return tuple(t.to(device) for t in pack([[1] * n for n in lengths]))
+    if not dense:
+        lengths[1] = max(1, s // 2)
+    return tuple(t.to(device) for t in pack([[1] * n for n in lengths], dense))
 
 
 def call_example(params: EngineParams, device: str = "cpu"):
     """Small inputs of the engine's form, for a first call (2 x 16, or less)."""
     b, s = min(2, params.max_batch), min(16, params.max_seq_len)
     if params.packed:
-        return packed_example(b, s, params.batch_tokens, device)
+        return packed_example(b, s, params.batch_tokens, device, dense_packing(params))
     return example_inputs(b, s, device, params.pad_left)
 
 
@@ -125,7 +129,9 @@ def _export_dynamic(module, example, params: EngineParams):
     from torch.export import Dim
 
     if params.packed:  # every dim from 1: a call may hold one sequence of one token
-        dims = {"input_ids": {0: Dim("tokens", min=1, max=params.batch_tokens)},
+        row_len = Dim("row_len", min=1, max=params.batch_tokens)
+        rows = Dim("rows", min=1, max=params.max_batch) if dense_packing(params) else None
+        dims = {"input_ids": {0: rows, 1: row_len} if rows else {1: row_len},
                 "seq_lengths": {0: Dim("sequences", min=1, max=params.max_batch)},
                 "max_len": {0: Dim("longest", min=1, max=params.max_seq_len)}}
         return torch.export.export(module, example, dynamic_shapes=dims, strict=False), "packed"

@@ -115,10 +115,12 @@ def _compiled(module: EmbeddingModule):
 
 
 def _call_dynamic(fn, *inputs: torch.Tensor) -> torch.Tensor:
-    """torch.compile path: mark every dim dynamic so one trace serves every shape."""
+    """torch.compile path: mark every dim dynamic so one trace serves every shape (but a dim of 1,
+    which tracing specialises: a packed call's one row; a call of one sequence traces once more)."""
     for t in inputs:
         for dim in range(t.dim()):
-            torch._dynamo.mark_dynamic(t, dim)
+            if t.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(t, dim)
     return fn(*inputs)
 
 
@@ -243,7 +245,7 @@ def make_artifact(module: EmbeddingModule, params: EngineParams, out_dir: Path) 
     return {"file": INDUCTOR_ARTIFACT, "bytes": (out_dir / INDUCTOR_ARTIFACT).stat().st_size,
             "export_dims": dims, "export_seconds": round(t_export, 3), "compile_seconds": round(t_compile, 3),
             "check_cosine": round(cos, 6), "mode": params.compile_mode,
-            "tuned_for": (f"{len(example[1])} sequences, {len(example[0])} tokens" if params.packed
+            "tuned_for": (f"{len(example[1])} sequences, {example[0].numel()} tokens" if params.packed
                           else "x".join(map(str, example[0].shape))), **sdpa_summary(exported.graph)}
 
 
