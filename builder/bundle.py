@@ -32,6 +32,7 @@ from .models import HUB_KINDS
 from .plan import Variant
 from .recipe import ModelSource
 from .state import StateDir, VariantRecord
+from .yamlio import parse_json_bounded
 
 Log = Callable[[str], None]
 SUMS = "SHA256SUMS"
@@ -157,7 +158,7 @@ def verify(root: Path) -> dict:
             raise ConfigError(f"bundle is missing {name}")
         if sha256_file(path) != digest:
             raise ConfigError(f"checksum mismatch for {name}: the bundle is corrupt or was changed")
-    return json.loads((root / "bundle.json").read_text())
+    return parse_json_bounded((root / "bundle.json").read_text(encoding="utf-8"), "bundle.json")
 
 
 def _extract(bundle: Path, into: Path) -> Path:

@@ -34,6 +34,7 @@ from .versions import (
     sm_major_minor,
     sm_to_cc,
 )
+from .yamlio import safe_load_bounded
 
 __all__ = [
     "Combo",
@@ -186,7 +187,7 @@ def load_knowledge_base(path: str | Path | None = None) -> KnowledgeBase:
     except OSError as exc:
         raise ConfigError(f"cannot read the compatibility knowledge base: {exc}", file=file) from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load_bounded(text, file)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', None) or exc}", file=file,

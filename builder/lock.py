@@ -19,6 +19,7 @@ from .dockerclient import DockerCli, run_docker
 from .errors import BuildError, ConfigError
 from .hashing import dump_json, sha256_text
 from .plan import Variant
+from .yamlio import parse_json_bounded
 
 LOCK_FILE = "mopt.lock.json"
 Log = Callable[[str], None]
@@ -55,11 +56,12 @@ def lock_key(render_dir: Path) -> str:
 
 def read_lock(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no lock file (run mopt lock first)") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    data = parse_json_bounded(text, str(path))
     if not isinstance(data, dict) or data.get("schema") != 1 or not isinstance(data.get("runtimes"), dict):
         raise ConfigError(f"{path}: not a mopt lock (schema 1)")
     return data

@@ -38,6 +38,69 @@ class _LineLoader(yaml.SafeLoader):
     """SafeLoader that records the line of every mapping key and sequence item."""
 
 
+# Bounds on what a configuration file may hold. A real matrix.yaml is a few kilobytes, nests under
+# ten levels and expands to a few thousand values; anchors and aliases can make a few lines expand
+# exponentially ("billion laughs") and brackets can nest past Python's recursion limit.
+MAX_BYTES = 4 * 1024 * 1024
+MAX_DEPTH = 64
+MAX_VALUES = 100_000
+
+
+def _check_nesting(text: str, file: str) -> None:
+    """Refuse deep nesting from the event stream, before anything recursive reads the text."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_LineLoader):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise ConfigError(f"nests deeper than {MAX_DEPTH} levels", file=file,
+                                      line=event.start_mark.line + 1)
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError as exc:
+        raise _malformed(exc, file) from None
+
+
+def _check_expansion(root: yaml.Node, file: str) -> None:
+    """Refuse a document whose aliases make it expand past MAX_VALUES values or MAX_DEPTH levels, or
+    refer to themselves. Counted over the node graph (each node once, iteratively), so the check
+    itself costs what the file holds, not what it expands to."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if children_done:
+            open_nodes.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            depth[key] = 1 + max((depth[id(c)] for c in children), default=0)
+            if size[key] > MAX_VALUES:
+                raise ConfigError(f"expands to more than {MAX_VALUES:,} values through anchors and aliases",
+                                  file=file, line=node.start_mark.line + 1)
+            if depth[key] > MAX_DEPTH:
+                raise ConfigError(f"nests deeper than {MAX_DEPTH} levels through anchors and aliases",
+                                  file=file, line=node.start_mark.line + 1)
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:
+            raise ConfigError("an alias refers to the value that contains it (a recursive structure)",
+                              file=file, line=node.start_mark.line + 1)
+        open_nodes.add(key)
+        stack.append((node, True))
+        for child in children:
+            if id(child) in open_nodes:
+                raise ConfigError("an alias refers to the value that contains it (a recursive structure)",
+                                  file=file, line=child.start_mark.line + 1)
+            if id(child) not in size:
+                stack.append((child, False))
+
+
 def _compose_positions(node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int]) -> None:
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
@@ -93,11 +156,53 @@ def _malformed(exc: Exception, file: str) -> ConfigError:
     return ConfigError(f"malformed YAML: {problem}", file=file, line=mark.line + 1 if mark else None)
 
 
-def parse_yaml(text: str, file: str) -> YamlDocument:
+def compose_bounded(text: str, file: str) -> yaml.Node | None:
+    """yaml.compose after the bounds checks (size, nesting, alias expansion): one ConfigError, quickly."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError(f"larger than {MAX_BYTES // (1024 * 1024)} MiB", file=file)
+    _check_nesting(text, file)
     try:
         node = yaml.compose(text, Loader=_LineLoader)
     except yaml.YAMLError as exc:
         raise _malformed(exc, file) from None
+    if node is not None:
+        _check_expansion(node, file)
+    return node
+
+
+def safe_load_bounded(text: str, file: str) -> Any:
+    """yaml.safe_load within the bounds (for files without a schema: compat.yaml, model cards)."""
+    compose_bounded(text, file)
+    return yaml.safe_load(text)
+
+
+def parse_json_bounded(text: str, file: str) -> Any:
+    """json.loads within the same bounds: a size cap, and nesting past MAX_DEPTH refused (Python's
+    parser would recurse to its limit and raise RecursionError)."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError(f"larger than {MAX_BYTES // (1024 * 1024)} MiB", file=file)
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:  # brackets outside strings: the nesting, without recursion
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > MAX_DEPTH:
+                raise ConfigError(f"nests deeper than {MAX_DEPTH} levels", file=file)
+        elif ch in "]}":
+            depth -= 1
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"not valid JSON: {exc}", file=file) from None
+
+
+def parse_yaml(text: str, file: str) -> YamlDocument:
+    node = compose_bounded(text, file)
     if node is None:
         raise ConfigError("the file is empty", file=file)
     _reject_duplicate_keys(node, file)

@@ -223,11 +223,12 @@ def card_license(model_dir: Path) -> str | None:
     if not text.startswith("---"):
         return None
     front, _, _ = text[3:].partition("\n---")
-    import yaml
+    from ..errors import ConfigError
+    from ..yamlio import safe_load_bounded
 
     try:
-        data = yaml.safe_load(front)
-    except yaml.YAMLError:
+        data = safe_load_bounded(front, str(card))
+    except ConfigError:  # malformed or hostile front matter: no license read from it
         return None
     value = data.get("license") if isinstance(data, dict) else None
     return value if isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9.+-]{1,64}", value) else None
