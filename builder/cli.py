@@ -502,15 +502,18 @@ def verify_repro_cmd(matrix_path: str, select: str, state_dir: Path, ca_bundle, 
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
 def prune_cmd(state_dir: Path, keep_states: tuple[Path, ...], labels: tuple[str, ...], build_cache_gib: float | None,
               dry_run: bool) -> None:
-    """Remove mopt's images that no kept state directory's records name; optionally trim BuildKit's cache."""
+    """Remove mopt's images that no state directory's records name and no container uses; optionally trim
+    BuildKit's cache."""
     from .dockerclient import find_docker
     from .prune import prune
 
-    result = prune(find_docker(), (state_dir, *keep_states), labels=labels, build_cache_gib=build_cache_gib,
+    result = prune(find_docker(), state_dir, keep_states, labels=labels, build_cache_gib=build_cache_gib,
                    dry_run=dry_run, log=click.echo)
     verb = "would remove" if dry_run else "removed"
     click.echo(f"{verb} {len(result.removed)} images, kept {len(result.kept)}; free for Docker: "
                f"{result.free_before_gib:.1f} -> {result.free_after_gib:.1f} GiB")
+    for image, reason in result.held:
+        click.echo(f"kept: {' '.join(image.tags) or image.image_id}: {reason}")
     for image, reason in result.failed:  # typically a container (running or stopped) still uses it
         click.echo(f"in use, kept: {' '.join(image.tags) or image.image_id}: {reason}")
 

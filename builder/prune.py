@@ -4,19 +4,25 @@ BuildKit's cache beyond a size.
 Every build makes stage images (mopt-stage/<stage>:<key>) and final images, all carrying the
 io.mopt.stage.key label. A stage key changes whenever its inputs change, so old stage images pile
 up (several GB each for CUDA and vLLM runtimes) until the daemon's disk is full. An image is kept
-when a variant record in one of the kept state directories names it (the final image or one of
-its stages); images without the label (the rootfs bases, anything not ours) are never touched.
+when a variant record names it (the final image or one of its stages) in the pruned state dir, a
+--keep-state dir, or any other state dir mopt worked in on this host (statelock.known_state_dirs:
+another checkout's images); when a container (running or stopped) was made from it; or when it was
+made after a build elsewhere on this host took its state dir's lock (that build may not have
+recorded it yet). Images without the label (the rootfs bases, anything not ours) are never touched.
+Prune holds the pruned state dir's lock, so no build of that dir runs meanwhile.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from .build import KEY_LABEL
 from .dockerclient import DockerCli, docker_free_gib, run_docker
-from .errors import EnvironmentProblem
+from .errors import ConfigError, EnvironmentProblem
 from .state import StateDir
+from .statelock import holder, known_state_dirs, state_lock
 
 Log = Callable[[str], None]
 
@@ -31,18 +37,40 @@ class OurImage:
 class PruneResult:
     removed: tuple[OurImage, ...]
     kept: tuple[OurImage, ...]
+    held: tuple[tuple[OurImage, str], ...]  # kept though no record names it: (image, why)
     failed: tuple[tuple[OurImage, str], ...]  # (image, docker's reason), e.g. a container still uses it
     free_before_gib: float
     free_after_gib: float
 
 
-def referenced_image_ids(state_dirs: Iterable[Path]) -> set[str]:
+def referenced_image_ids(state_dirs: Iterable[Path], found: Iterable[Path] = (), log: Log = print) -> set[str]:
     """Image ids named by the variant records of STATE_DIRS (an unreadable record is an error: it might
-    name images a user still needs, so prune refuses rather than guess)."""
+    name images a user still needs, so prune refuses rather than guess) and of the state dirs FOUND on
+    this host (an unreadable record there is noted and skipped: a stale checkout must not stop prune)."""
     ids: set[str] = set()
     for state in state_dirs:
         for _, record in StateDir(state).records():
             ids |= record.image_ids()
+    for state in found:
+        try:
+            for _, record in StateDir(state).records():
+                ids |= record.image_ids()
+        except ConfigError as exc:
+            log(f"note: {exc.message} (state dir {state}: its other records still count)")
+            ids |= _readable_ids(StateDir(state))
+    return ids
+
+
+def _readable_ids(state: StateDir) -> set[str]:
+    ids: set[str] = set()
+    for path in sorted((state.root / "variants").glob("*/*.json")):
+        if path.name.endswith(".smoke.json"):
+            continue
+        try:
+            record = state.read_record(path.parent.name, path.stem)
+        except ConfigError:
+            continue
+        ids |= record.image_ids() if record else set()
     return ids
 
 
@@ -63,14 +91,65 @@ def our_images(docker: DockerCli, labels: Iterable[str] = ()) -> list[OurImage]:
     return [OurImage(image_id, tuple(sorted(refs))) for image_id, refs in sorted(tags.items())]
 
 
-def prune(docker: DockerCli, keep_states: Iterable[Path], *, labels: Iterable[str] = (),
+def container_image_ids(docker: DockerCli) -> set[str]:
+    """Ids of the images every container on the daemon (running or stopped) was made from."""
+    ids = run_docker(["ps", "--all", "--quiet", "--no-trunc"], docker=docker, timeout=120,
+                     error_cls=EnvironmentProblem).stdout.split()
+    if not ids:
+        return set()
+    found = run_docker(["container", "inspect", "--format", "{{.Image}}", *ids], docker=docker, check=False,
+                       timeout=120)  # a container removed meanwhile fails its line only
+    return {line.strip() for line in found.stdout.splitlines() if line.strip().startswith("sha256:")}
+
+
+def created_after(docker: DockerCli, images: list[OurImage], cutoff: float) -> set[str]:
+    """Ids of IMAGES created at or after CUTOFF (epoch seconds)."""
+    if not images:
+        return set()
+    listing = run_docker(["image", "inspect", "--format", "{{.Id}} {{.Created}}", *(i.image_id for i in images)],
+                         docker=docker, check=False, timeout=120)
+    recent = set()
+    for line in listing.stdout.splitlines():
+        image_id, _, created = line.strip().partition(" ")
+        try:  # RFC 3339 with nanoseconds: keep microseconds for fromisoformat
+            stamp, _, frac = created.replace("Z", "").partition(".")
+            when = datetime.fromisoformat(f"{stamp}.{(frac + '000000')[:6]}+00:00").timestamp()
+        except ValueError:
+            recent.add(image_id)  # unreadable: keep it
+            continue
+        if when >= cutoff - 1:
+            recent.add(image_id)
+    return recent
+
+
+def prune(docker: DockerCli, state_dir: Path, keep_states: Iterable[Path] = (), *, labels: Iterable[str] = (),
           build_cache_gib: float | None = None, dry_run: bool = False, log: Log = print) -> PruneResult:
-    keep_ids = referenced_image_ids(keep_states)
+    with state_lock(state_dir, "mopt prune", log=log):
+        return _prune(docker, state_dir, keep_states, labels, build_cache_gib, dry_run, log)
+
+
+def _prune(docker: DockerCli, state_dir: Path, keep_states: Iterable[Path], labels: Iterable[str],
+           build_cache_gib: float | None, dry_run: bool, log: Log) -> PruneResult:
+    own = Path(state_dir).resolve()
+    others = [d for d in known_state_dirs() if d.resolve() != own]
+    keep_ids = referenced_image_ids(dict.fromkeys([Path(state_dir), *keep_states]), others, log)
+    busy = [(d, h) for d in others if (h := holder(d)) is not None]
+    images = our_images(docker, labels)
+    why: dict[str, str] = {}
+    if busy:
+        directory, first = min(busy, key=lambda item: item[1].started)
+        for image_id in created_after(docker, [i for i in images if i.image_id not in keep_ids], first.started):
+            why[image_id] = f"made since {directory} was locked by {first.describe()}"
+    for image_id in container_image_ids(docker):
+        why[image_id] = "a container uses it"
     before = docker_free_gib()
-    removed, kept, failed = [], [], []
-    for image in our_images(docker, labels):
+    removed, kept, held, failed = [], [], [], []
+    for image in images:
         if image.image_id in keep_ids:
             kept.append(image)
+            continue
+        if image.image_id in why:
+            held.append((image, why[image.image_id]))
             continue
         names = " ".join(image.tags) or image.image_id[:19]
         if dry_run:
@@ -93,4 +172,4 @@ def prune(docker: DockerCli, keep_states: Iterable[Path], *, labels: Iterable[st
             run_docker(["builder", "prune", "--force", "--keep-storage", str(keep_bytes)], docker=docker,
                        timeout=900, error_cls=EnvironmentProblem)
             log(f"trimmed BuildKit's cache to {build_cache_gib:g} GiB")
-    return PruneResult(tuple(removed), tuple(kept), tuple(failed), before, docker_free_gib())
+    return PruneResult(tuple(removed), tuple(kept), tuple(held), tuple(failed), before, docker_free_gib())

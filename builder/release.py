@@ -19,6 +19,7 @@ from .models import SUBSTITUTE_SUFFIX, image_tags
 from .plan import Variant, make_plan
 from .report import ReleaseReport, VariantReport
 from .state import SmokeRecord, StateDir, VariantRecord
+from .statelock import state_lock
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -116,6 +117,16 @@ def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | 
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                 registry: str | None = None, dry_run: bool = False, fail_fast: bool = False,
                 allow_substitute: bool = False) -> ReleaseReport:
+    """Every step in one process holding the state dir's lock (statelock.py): a second build, test or
+    publish on the same state dir waits for it."""
+    load_matrix(Path(matrix_path))  # a broken matrix is reported at once, not after waiting for the lock
+    with state_lock(options.state.root, f"mopt {' + '.join(steps)}", log=_say):
+        return _run_release(matrix_path, select, options, steps=steps, registry=registry, dry_run=dry_run,
+                            fail_fast=fail_fast, allow_substitute=allow_substitute)
+
+
+def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
+                 registry: str | None, dry_run: bool, fail_fast: bool, allow_substitute: bool) -> ReleaseReport:
     matrix = load_matrix(Path(matrix_path))
     full = make_plan(matrix)
     plan = make_plan(matrix, select) if select else full

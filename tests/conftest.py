@@ -10,6 +10,15 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    """The tests' state dirs go into a list of their own, not the host's (statelock.py): a test's
+    throw-away dirs never reach the prune of a user's checkout."""
+    if "MOPT_STATE_REGISTRY" not in os.environ:
+        import tempfile
+
+        os.environ["MOPT_STATE_REGISTRY"] = str(Path(tempfile.mkdtemp(prefix="mopt-test-states-")) / "state-dirs")
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO

@@ -1,5 +1,7 @@
 """`mopt prune` against the real daemon: images no kept state names go, the ones a record names stay,
-images without our label are never touched, a container's image is kept, an unreadable record stops it.
+images without our label are never touched, a container's image is kept with every tag, another
+state dir's images are kept without being named, what a build in progress elsewhere made is kept,
+an unreadable record stops it.
 
 Every image here carries a label unique to this test run and prune is limited to it (--label), so the
 test never removes the images other tests of the session built."""
@@ -8,6 +10,7 @@ from __future__ import annotations
 import io
 import subprocess
 import tarfile
+import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 
 from builder.build import KEY_LABEL
 from builder.state import ModelRecord, StageRecord, StateDir, VariantRecord
+from builder.statelock import state_lock
 from tests.integration.conftest import mopt_cli
 
 pytestmark = pytest.mark.integration
@@ -100,10 +104,48 @@ def test_prune_keeps_an_image_a_container_uses(docker_cli, run_label, tmp_path):
     tag = f"mopt-prune-test-{value[:12]}/stage:used"
     image = _import(docker_cli, tag, {KEY_LABEL: "test", key: value}, b"used")
     subprocess.run([docker_cli.path, "create", "--label", run_label, tag, "/marker"], check=True, capture_output=True)
+    alias = f"mopt-prune-test-{value[:12]}/final:alias"  # a second tag: docker rmi would only untag it
+    subprocess.run([docker_cli.path, "tag", tag, alias], check=True)
     res = mopt_cli("prune", "--state-dir", str(tmp_path), "--label", run_label)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "removed 0 images" in res.stdout and f"in use, kept: {tag}" in res.stdout
-    assert _image_id(docker_cli, image) == image
+    assert "removed 0 images" in res.stdout and f"kept: {alias} {tag}: a container uses it" in res.stdout
+    assert _image_id(docker_cli, image) == image and _image_id(docker_cli, alias) == image
+
+
+def test_prune_keeps_another_state_dirs_images_unnamed(docker_cli, run_label, tmp_path):
+    """Another checkout's state dir, known to this host because mopt worked in it, keeps its images
+    though the prune names only its own state dir (what scripts/test.sh does)."""
+    key, value = run_label.split("=")
+    repo = f"mopt-prune-test-{value[:12]}"
+    theirs = _import(docker_cli, f"{repo}/final:theirs", {KEY_LABEL: "test", key: value}, b"theirs")
+    stale = _import(docker_cli, f"{repo}/stage:stale", {KEY_LABEL: "test", key: value}, b"stale")
+    other, own = tmp_path / "other-checkout", tmp_path / "own"
+    _record(other, theirs, [])
+    with state_lock(other, "an earlier build", log=lambda m: None):  # how a state dir becomes known
+        pass
+    res = mopt_cli("prune", "--state-dir", str(own), "--label", run_label)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "removed 1 images, kept 1" in res.stdout
+    assert _image_id(docker_cli, theirs) == theirs and _image_id(docker_cli, stale) is None
+
+
+def test_prune_keeps_what_a_build_in_progress_made(docker_cli, run_label, tmp_path):
+    """An image made after another state dir's build took its lock may be that build's, not yet in
+    its records: kept until the build is over."""
+    key, value = run_label.split("=")
+    repo = f"mopt-prune-test-{value[:12]}"
+    old = _import(docker_cli, f"{repo}/stage:old", {KEY_LABEL: "test", key: value}, b"old")
+    time.sleep(1.5)  # image creation times are in whole seconds on some daemons
+    building = tmp_path / "building"
+    (building / "variants").mkdir(parents=True)
+    with state_lock(building, "mopt build", log=lambda m: None):
+        fresh = _import(docker_cli, f"{repo}/stage:fresh", {KEY_LABEL: "test", key: value}, b"fresh")
+        res = mopt_cli("prune", "--state-dir", str(tmp_path / "own"), "--label", run_label)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"kept: {repo}/stage:fresh: made since {building} was locked by pid" in res.stdout
+    assert _image_id(docker_cli, fresh) == fresh and _image_id(docker_cli, old) is None
+    res = mopt_cli("prune", "--state-dir", str(tmp_path / "own"), "--label", run_label)
+    assert "removed 1 images" in res.stdout and _image_id(docker_cli, fresh) is None  # the build is over
 
 
 def test_prune_refuses_on_an_unreadable_record(docker_cli, run_label, tmp_path):
