@@ -231,7 +231,7 @@ def clear_cache() -> None:
         _cache.clear()
 
 
-def _mask(text: str, redact: Sequence[str]) -> str:
+def mask_secrets(text: str, redact: Sequence[str]) -> str:
     for secret in redact:
         if secret:
             text = text.replace(secret, "***")
@@ -264,7 +264,7 @@ def run_docker(
     cli = docker or find_docker()
     argv = [cli.path, *[str(a) for a in args]]
     run_env = cli.env(env)
-    shown = _mask(" ".join(argv), redact)
+    shown = mask_secrets(" ".join(argv), redact)
     if log and echo:
         log(f"$ {shown}")
     data = input.encode() if isinstance(input, str) else input
@@ -275,8 +275,8 @@ def run_docker(
                                  timeout=timeout, stdin=None if data is not None else subprocess.DEVNULL)
         except subprocess.TimeoutExpired as exc:
             raise error_cls(f"`{shown}` timed out after {timeout}s") from exc
-        out = _mask(res.stdout.decode(errors="replace"), redact)
-        err = _mask(res.stderr.decode(errors="replace"), redact)
+        out = mask_secrets(res.stdout.decode(errors="replace"), redact)
+        err = mask_secrets(res.stderr.decode(errors="replace"), redact)
         result = subprocess.CompletedProcess(argv, res.returncode, out, err)
     else:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
@@ -299,7 +299,7 @@ def run_docker(
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                line = _mask(raw.decode(errors="replace"), redact)
+                line = mask_secrets(raw.decode(errors="replace"), redact)
                 chunks.append(line)
                 log(line.rstrip("\n"))
             rc = proc.wait()

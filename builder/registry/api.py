@@ -66,10 +66,12 @@ class Manifest:
     digest: str
     media_type: str
     body: dict[str, Any]
+    raw: bytes = b""  # the bytes as the registry served them (their sha256 is the digest)
 
 
 class RegistryApi:
-    """Just enough of the distribution API v2 to verify pushes: manifests and blob existence.
+    """Just enough of the distribution API v2 to verify pushes and move tags: manifests (read, and put
+    under another tag) and blob existence.
 
     Auth follows the registry's 401 challenge: Basic with the config.json credentials, or the
     Bearer token flow (``realm``/``service``/``scope``; identity tokens as refresh tokens).
@@ -111,9 +113,14 @@ class RegistryApi:
         except requests.RequestException:
             return "http"
 
-    def _send(self, method: str, url: str, headers: dict[str, str]) -> requests.Response:
+    @property
+    def insecure(self) -> bool:
+        """Plain HTTP or an unverified certificate: a loopback registry only (as docker allows)."""
+        return self.registry.is_loopback
+
+    def _send(self, method: str, url: str, headers: dict[str, str], data: bytes | None = None) -> requests.Response:
         def once() -> requests.Response:
-            resp = self._session.request(method, url, headers=headers, timeout=HTTP_TIMEOUT_S,
+            resp = self._session.request(method, url, headers=headers, timeout=HTTP_TIMEOUT_S, data=data,
                                          allow_redirects=True,
                                          verify=not (self.registry.is_loopback and url.startswith("https")))
             if resp.status_code >= 500 or resp.status_code == 429:
@@ -202,13 +209,13 @@ class RegistryApi:
             raise PublishError(f"token service {realm} returned no token")
         return token
 
-    def request(self, method: str, path: str, *, scope: str, headers: dict[str, str] | None = None
-                ) -> requests.Response:
+    def request(self, method: str, path: str, *, scope: str, headers: dict[str, str] | None = None,
+                data: bytes | None = None) -> requests.Response:
         """An authenticated request (challenge-driven; one re-authentication on 401)."""
         url = f"{self._base()}{path}"
         hdrs = dict(headers or {})
         auth = self._auth_header.get(scope) or (self._auth_header.get("*") if self._basic else None) or {}
-        resp = self._send(method, url, {**hdrs, **auth})
+        resp = self._send(method, url, {**hdrs, **auth}, data)
         if resp.status_code == 401:
             # No credentials sent yet, or a cached token expired: answer the challenge once, afresh.
             challenge = resp.headers.get("WWW-Authenticate", "")
@@ -220,7 +227,7 @@ class RegistryApi:
                 self._auth_header["*"] = auth
             else:
                 self._auth_header[scope] = auth
-            resp = self._send(method, url, {**hdrs, **auth})
+            resp = self._send(method, url, {**hdrs, **auth}, data)
             if resp.status_code == 401:
                 raise PublishError(self._rejected_message(401))
         if resp.status_code == 403:
@@ -250,7 +257,19 @@ class RegistryApi:
         except ValueError as exc:
             raise PublishError(f"manifest {repo}:{reference} is not JSON") from exc
         media = body.get("mediaType") or resp.headers.get("Content-Type", "").split(";")[0]
-        return Manifest(body_digest, media, body)
+        return Manifest(body_digest, media, body, resp.content)
+
+    def put_manifest(self, repo: str, tag: str, m: Manifest) -> str:
+        """Point TAG at exactly manifest M (its bytes, so its digest): a tag moves without a push."""
+        resp = self.request("PUT", f"/v2/{repo}/manifests/{tag}", scope=f"repository:{repo}:pull,push",
+                            headers={"Content-Type": m.media_type}, data=m.raw)
+        if resp.status_code not in (200, 201):
+            raise PublishError(f"PUT manifest {repo}:{tag} to {self.registry.host} answered HTTP "
+                               f"{resp.status_code}: {resp.text[:200]}")
+        digest = resp.headers.get("Docker-Content-Digest", "")
+        if digest and digest != m.digest:
+            raise PublishError(f"{repo}:{tag} was stored as {digest}, not the manifest {m.digest} sent")
+        return m.digest
 
     def blob_exists(self, repo: str, digest: str) -> tuple[bool, int | None]:
         resp = self.request("HEAD", f"/v2/{repo}/blobs/{digest}", scope=f"repository:{repo}:pull")

@@ -5,12 +5,16 @@
    immutable). The same image is recognised by the local image's RepoDigest for that repository, or a
    manifest whose config digest is the local image id. The dry run and the real run share this plan;
    the dry run stops after logging what each phase would do.
-1. for every item: tag the local image and `docker push` the long ref (or skip it when the registry
-   already holds this image there), then verify it: the manifest digest is the pushed one (header and
-   body hash) and every blob and child manifest it references is present.
-2. only once EVERY long tag of the release is verified, move each short tag (unless it already points
-   at that digest) and verify it the same way.
-3. remove the registry-prefixed local tags this run created (the image itself is kept).
+1. for every item: copy the smoke-tested image BY ITS ID to the long ref (push.copy_image: no local
+   tag involved, so a concurrent re-tag on the shared daemon cannot change what is pushed), or skip it
+   when the registry already holds this image there; then verify it: the manifest digest is the pushed
+   one (header and body hash), its config digest is the tested image id (the identity check), and
+   every blob and child manifest it references is present. A long tag that holds this image with a
+   blob missing is repaired: the copy uploads what is missing.
+2. only once EVERY long tag of the release is verified, move each short tag: compare (nothing to do
+   when it already points at the verified digest), then move it by putting the verified manifest's
+   own bytes under it through the registry API (no push: the short tag can only name that digest),
+   then verify it the same way.
 
 A failure in phases 0-1 leaves every short tag where it was, so users pulling a short tag never see
 half a release; a re-run skips the long tags already verified.
@@ -25,7 +29,7 @@ from ..dockerclient import DockerCli, find_docker
 from ..errors import PublishError
 from .api import Manifest, RegistryApi, config_digests
 from .credentials import docker_config_dir, load_credentials
-from .push import LocalImage, docker_push, inspect_image, local_tags
+from .push import LocalImage, copy_image, inspect_image
 from .reference import Registry
 
 Log = Callable[[str], None]
@@ -214,32 +218,42 @@ def _publish(planned: list[PlannedItem], api: RegistryApi, cli: DockerCli, confi
     refused = next((p for p in planned if p.error is not None), None)
     if refused is not None:  # phase 0: refuse before pushing anything
         raise fail(refused.error, refused.item, [], [], moving_short_tags=False) from None
+
+    def push(local: LocalImage, ref: str) -> str:
+        return copy_image(local.id, ref, config_dir, insecure=api.insecure, log=log, redact=secrets)
+
     verified: list[tuple[PlannedItem, str, bool, list[str]]] = []
-    with local_tags(cli, log) as tags:
-
-        def push(local: LocalImage, ref: str) -> str:
-            tags.tag(local.id, ref)
-            return docker_push(cli, ref, config_dir, log=log, redact=secrets, auth_retries=1)
-
-        for p in planned:  # phase 1: push and verify every long (immutable) tag
-            try:
-                digest, skipped, pushed = _long_tag(p, api, push, log)
-            except PublishError as exc:
-                raise fail(exc, p.item, [], [v[0].refs.long for v in verified], moving_short_tags=False) from None
-            verified.append((p, digest, skipped, pushed))
-        log(f"all {len(verified)} long tags verified; moving the short tags")
-        results: list[PublishResult] = []
-        for p, digest, skipped, pushed in verified:  # phase 2: only now move the short (moving) tags
-            try:
-                _short_tag(p, digest, api, push, log, pushed)
-            except PublishError as exc:
-                raise fail(exc, p.item, results, [], moving_short_tags=True) from None
-            log(f"  verified {p.refs.short} = {digest}")
-            results.append(PublishResult(p.item.variant_id, tuple(pushed), digest, skipped))
+    for p in planned:  # phase 1: push and verify every long (immutable) tag
+        try:
+            digest, skipped, pushed = _long_tag(p, api, push, log)
+        except PublishError as exc:
+            raise fail(exc, p.item, [], [v[0].refs.long for v in verified], moving_short_tags=False) from None
+        verified.append((p, digest, skipped, pushed))
+    log(f"all {len(verified)} long tags verified; moving the short tags")
+    results: list[PublishResult] = []
+    for p, digest, skipped, pushed in verified:  # phase 2: only now move the short (moving) tags
+        try:
+            _short_tag(p, digest, api, log, pushed)
+        except PublishError as exc:
+            raise fail(exc, p.item, results, [], moving_short_tags=True) from None
+        log(f"  verified {p.refs.short} = {digest}")
+        results.append(PublishResult(p.item.variant_id, tuple(pushed), digest, skipped))
     return results
 
 
-Push = Callable[[LocalImage, str], str]  # tag the local image as ref, docker push it: the pushed digest
+Push = Callable[[LocalImage, str], str]  # copy the local image (by id) to ref: the pushed manifest digest
+
+
+def verify_identity(api: RegistryApi, p: PlannedItem, tag: str, digest: str) -> None:
+    """TAG points at DIGEST, every blob it names is present, and it is the tested image: its config digest
+    is the image id (or docker itself recorded this manifest as the image's, a RepoDigest)."""
+    manifest = api.verify(p.refs.repo, tag, digest)
+    if digest in p.local.digests_for(p.refs.name):
+        return
+    configs = config_digests(api, p.refs.repo, manifest)
+    if p.local.id not in configs:
+        raise PublishError(f"{p.refs.name}:{tag} = {digest} holds image {', '.join(sorted(configs)) or '(none)'}, "
+                           f"not the smoke-tested {p.local.id}")
 
 
 def _long_tag(p: PlannedItem, api: RegistryApi, push: Push, log: Log) -> tuple[str, bool, list[str]]:
@@ -251,23 +265,30 @@ def _long_tag(p: PlannedItem, api: RegistryApi, push: Push, log: Log) -> tuple[s
         pushed.append(p.refs.long)
     elif same_image(api, p.refs.repo, remote, p.local, p.refs.name):
         digest, skipped = remote.digest, True
-        log(f"  {p.refs.long} already points at {digest} (this image): not pushed again")
+        try:
+            api.check_complete(p.refs.repo, remote)
+            log(f"  {p.refs.long} already points at {digest} (this image): not pushed again")
+        except PublishError as exc:  # this image, but the registry lost part of it: upload it again
+            log(f"  {p.refs.long} holds this image but is incomplete ({exc}); repairing")
+            digest, skipped = push(p.local, p.refs.long), False
+            pushed.append(p.refs.long)
     else:
         raise immutable_refusal(p.refs.long, remote, p.local)
-    api.verify(p.refs.repo, p.item.long_tag, digest)
-    log(f"  verified {p.refs.long} = {digest} (manifest and all blobs present)")
+    verify_identity(api, p, p.item.long_tag, digest)
+    log(f"  verified {p.refs.long} = {digest} (image {p.local.id[:19]}, manifest and all blobs present)")
     return digest, skipped, pushed
 
 
-def _short_tag(p: PlannedItem, digest: str, api: RegistryApi, push: Push, log: Log, pushed: list[str]) -> None:
+def _short_tag(p: PlannedItem, digest: str, api: RegistryApi, log: Log, pushed: list[str]) -> None:
     remote = api.manifest(p.refs.repo, p.item.short_tag)
     if remote is not None and remote.digest == digest:
         log(f"  {p.refs.short} already points at {digest}")
     else:
         was = remote.digest if remote else "absent"
-        short_digest = push(p.local, p.refs.short)
+        verified = api.manifest(p.refs.repo, digest)
+        if verified is None:
+            raise PublishError(f"{p.refs.name}@{digest} vanished from the registry before {p.refs.short} moved")
+        api.put_manifest(p.refs.repo, p.item.short_tag, verified)
         pushed.append(p.refs.short)
-        if short_digest != digest:
-            raise PublishError(f"{p.refs.short} was pushed as {short_digest}, but the verified long tag is {digest}")
         log(f"  moved {p.refs.short}: {was} -> {digest}")
-    api.verify(p.refs.repo, p.item.short_tag, digest)
+    verify_identity(api, p, p.item.short_tag, digest)

@@ -23,10 +23,8 @@ import requests
 from builder.dockerclient import DockerCli, find_docker, run_docker
 from builder.errors import EnvironmentProblem, PublishError
 from builder.localregistry import LocalRegistry, docker_login
-from builder.registry import push as push_mod
 from builder.registry.api import ACCEPT
 from builder.registry.phases import PublishItem, publish
-from builder.registry.push import docker_push
 from builder.registry.reference import Registry
 
 pytestmark = pytest.mark.integration
@@ -142,11 +140,12 @@ def test_publish_pushes_long_then_short_and_both_verify(docker, images, registry
     assert api.catalog() == ["team/tiny"]
     assert api.digest("team/tiny", "1.0.0-cpu-abc123") == res.digest
     assert api.digest("team/tiny", "1.0-cpu") == res.digest
-    # Order: the long tag is pushed and verified before the short tag is pushed.
+    # Order: the long tag is pushed and verified before the short tag moves. The image goes once, by
+    # its id (copy_image); the short tag is the verified manifest put under another name, no push.
     text = log.text()
     assert text.index(f"verified {long_ref}") < text.index(f"moved {short_ref}") < text.index(
         f"verified {short_ref}")
-    assert text.count("The push refers to repository") == 2
+    assert text.count(" from image ") == 1 and f"pushed {long_ref} from image {id_a[:19]}" in text
     # skopeo agrees (credentials from the same config.json, not argv).
     if shutil.which("skopeo"):
         for ref in (long_ref, short_ref):
@@ -166,7 +165,7 @@ def test_rerun_skips_the_long_tag_and_pushes_nothing(docker, images, registry, d
     log = Lines()
     [second] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=log)
     assert second.skipped is True and second.references == () and second.digest == first.digest
-    assert "The push refers to repository" not in log.text()
+    assert " from image " not in log.text()
     assert "already points at" in log.text()
     # A new short tag for the same (already published) long tag: only the short tag moves.
     log = Lines()
@@ -198,54 +197,6 @@ def test_wrong_credentials_fail_clearly_and_push_nothing(docker, images, registr
         publish([_item(id_a)], Registry.parse(registry.address), docker_config=str(empty), log=Lines())
     assert Api(registry).catalog() == []
     assert not [r for r in _local_refs(docker, id_a) if r.startswith(registry.address)]
-
-
-def test_docker_push_auth_error_is_reported_and_not_retried(docker, images, registry, tmp_path):
-    """The CLI path on its own: a push without credentials fails once, with docker's own reason."""
-    id_a, _ = images
-    ref = f"{registry.address}/mopt/tiny:noauth"
-    run_docker(["tag", id_a, ref], docker=docker)
-    log = Lines()
-    try:
-        with pytest.raises(PublishError) as exc:
-            docker_push(docker, ref, tmp_path / "no-config", log=log)
-    finally:
-        run_docker(["rmi", "--no-prune", ref], docker=docker, check=False)
-    assert "no basic auth credentials" in str(exc.value) and "refused" in str(exc.value)
-    assert log.text().count("The push refers to repository") == 1  # auth errors are not retried
-    assert Api(registry).catalog() == []
-
-
-def _fake_docker(tmp_path: Path, script: str) -> DockerCli:
-    path = tmp_path / "fake-docker"
-    path.write_text("#!/bin/sh\n" + script)
-    path.chmod(0o755)
-    return DockerCli(path=str(path), version="fake", buildkit="builtin")
-
-
-def test_docker_push_retries_transient_errors_at_most_twice(tmp_path, monkeypatch):
-    monkeypatch.setattr(push_mod, "PUSH_RETRY_WAIT_S", 0.0)
-    counter = tmp_path / "count"
-    digest = "sha256:" + "c" * 64
-    flaky = _fake_docker(tmp_path, f"""echo x >> {counter}
-echo 'The push refers to repository [127.0.0.1:1/mopt/tiny]'
-if [ $(wc -l < {counter}) -lt 3 ]; then
-  echo 'received unexpected HTTP status: 503 Service Unavailable' >&2; exit 1
-fi
-echo '1.0: digest: {digest} size: 523'
-""")
-    assert docker_push(flaky, "127.0.0.1:1/mopt/tiny:1.0", tmp_path, log=Lines()) == digest
-    assert len(counter.read_text().splitlines()) == 3  # 2 transient failures, then success
-    counter.unlink()
-    down = _fake_docker(tmp_path, f"echo x >> {counter}; echo 'dial tcp: connection refused' >&2; exit 1\n")
-    with pytest.raises(PublishError, match="attempt 3/3"):
-        docker_push(down, "127.0.0.1:1/mopt/tiny:1.0", tmp_path, log=Lines())
-    assert len(counter.read_text().splitlines()) == 3
-    counter.unlink()
-    wrong_tag = _fake_docker(tmp_path, f"echo x >> {counter}; echo 'other: digest: {digest} size: 1'\n")
-    with pytest.raises(PublishError, match="no single 'digest"):
-        docker_push(wrong_tag, "127.0.0.1:1/mopt/tiny:1.0", tmp_path, log=Lines())
-    assert len(counter.read_text().splitlines()) == 1
 
 
 def test_long_tag_pointing_elsewhere_is_refused_and_short_tag_not_moved(docker, images, registry,
@@ -314,7 +265,7 @@ def test_dry_run_pushes_nothing(docker, images, registry, docker_config):
     assert all(r.digest == "" and not r.skipped for r in results)
     text = log.text()
     assert f"{registry.address}/mopt/tiny:1.0.0-cpu-abc123 -> {id_a}" in text and "no such tag" in text
-    assert "The push refers to repository" not in text
+    assert " from image " not in text
     assert Api(registry).catalog() == []
     assert not [r for r in _local_refs(docker, id_a) if r.startswith(registry.address)]
 
@@ -323,3 +274,68 @@ def test_dry_run_pushes_nothing(docker, images, registry, docker_config):
     log = Lines()
     [again] = publish([_item(id_a)], reg, docker_config=str(docker_config), dry_run=True, log=log)
     assert again.skipped and again.references == () and done.digest in log.text()
+
+
+def _config_digest(api: Api, repo: str, tag: str) -> str:
+    r = api.s.get(f"{api.base}/v2/{repo}/manifests/{tag}", timeout=10, headers={"Accept": ACCEPT})
+    r.raise_for_status()
+    return r.json()["config"]["digest"]
+
+
+def test_a_concurrent_retag_cannot_publish_another_image(docker, images, registry, docker_config):
+    """While publish runs, another process keeps pointing every name of the release (the variant's local
+    tag and the registry-prefixed one) at a different image. What lands under both tags is still the
+    smoke-tested image: publish copies it by id, so no name on the daemon is read."""
+    import threading
+
+    id_a, id_b = images
+    reg = Registry.parse(registry.address)
+    names = [f"{registry.address}/mopt/tiny:1.0.0-cpu-abc123", f"{registry.address}/mopt/tiny:1.0-cpu",
+             f"mopt-test/publish-a:{SUFFIX}"]
+    stop = threading.Event()
+
+    def retag() -> None:
+        while not stop.is_set():
+            for name in names:
+                run_docker(["tag", id_b, name], docker=docker, check=False)
+
+    thread = threading.Thread(target=retag, daemon=True)
+    thread.start()
+    try:
+        [res] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=Lines())
+    finally:
+        stop.set()
+        thread.join()
+        run_docker(["tag", id_a, names[2]], docker=docker)
+        run_docker(["rmi", "--no-prune", *names[:2]], docker=docker, check=False)
+    api = Api(registry)
+    for tag in ("1.0.0-cpu-abc123", "1.0-cpu"):
+        assert api.digest("mopt/tiny", tag) == res.digest
+        assert _config_digest(api, "mopt/tiny", tag) == id_a  # the tested image, not the re-tagged B
+
+
+def test_a_long_tag_with_a_missing_blob_is_repaired_on_rerun(docker, images, registry, docker_config):
+    id_a, _ = images
+    reg = Registry.parse(registry.address)
+    [first] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=Lines())
+    api = Api(registry)
+    manifest = api.s.get(f"{api.base}/v2/mopt/tiny/manifests/{first.digest}", timeout=10,
+                         headers={"Accept": ACCEPT}).json()
+    layer = manifest["layers"][0]["digest"]
+    assert api.s.delete(f"{api.base}/v2/mopt/tiny/blobs/{layer}", timeout=10).status_code == 202
+    assert api.s.head(f"{api.base}/v2/mopt/tiny/blobs/{layer}", timeout=10).status_code == 404
+
+    log = Lines()
+    [again] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=log)
+    assert f"blob {layer} referenced by manifest {first.digest} is missing" in log.text()
+    assert "repairing" in log.text() and again.skipped is False
+    for tag in ("1.0.0-cpu-abc123", "1.0-cpu"):
+        assert api.digest("mopt/tiny", tag) == again.digest and _config_digest(api, "mopt/tiny", tag) == id_a
+    current = api.s.get(f"{api.base}/v2/mopt/tiny/manifests/{again.digest}", timeout=10,
+                        headers={"Accept": ACCEPT}).json()
+    for desc in current["layers"]:
+        assert api.s.head(f"{api.base}/v2/mopt/tiny/blobs/{desc['digest']}", timeout=10).status_code == 200
+    # Complete now: a third run pushes nothing.
+    log = Lines()
+    [third] = publish([_item(id_a)], reg, docker_config=str(docker_config), log=log)
+    assert third.skipped and " from image " not in log.text()

@@ -1,7 +1,9 @@
-"""builder.registry.phases: the release phases against a fake docker CLI and an in-memory registry (no Docker, no HTTP).
+"""builder.registry.phases: the release phases against a fake docker CLI, a fake copy by image id and an
+in-memory registry (no Docker, no skopeo, no HTTP).
 
-The order is the contract: every long (immutable) tag is checked (phase 0), pushed and verified
-(phase 1) before any short (moving) tag moves (phase 2); a failure before phase 2 moves no short tag.
+The order is the contract: every long (immutable) tag is checked (phase 0), pushed by image id and
+verified, its config the tested image (phase 1), before any short (moving) tag moves to exactly the
+verified manifest (phase 2); a failure before phase 2 moves no short tag.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class FakeRegistry:
         self.blobs: set[tuple[str, str]] = set()
         self.failing: set[tuple[str, str]] = set()  # (repo, reference) whose GET keeps failing
         self.after_verify: dict[tuple[str, str], object] = {}  # (repo, tag) -> hook (another publisher)
+        self.after_put: dict[tuple[str, str], object] = {}  # (repo, tag) -> hook, after a short tag moved
         self.closed = False
 
     def store(self, repo: str, body: dict, *, blobs: bool = True) -> str:
@@ -74,15 +77,28 @@ class FakeRegistry:
             raise PublishError(f"{HOST}/{repo}:{tag} is missing from the registry right after the push")
         if m.digest != expected:
             raise PublishError(f"{HOST}/{repo}:{tag} points at {m.digest}, expected {expected}")
+        self.check_complete(repo, m)
+        hook = self.after_verify.pop((repo, tag), None)
+        if hook:
+            hook()
+        return m
+
+    def check_complete(self, repo: str, m: Manifest) -> None:
         children = [self.manifests[(repo, c["digest"])] for c in m.body.get("manifests", [])]
         for one in children or [m]:
             for desc in [one.body["config"], *one.body["layers"]]:
                 if (repo, desc["digest"]) not in self.blobs:
                     raise PublishError(f"{repo}: blob {desc['digest']} referenced by manifest {one.digest} is missing")
-        hook = self.after_verify.pop((repo, tag), None)
+
+    def put_manifest(self, repo: str, tag: str, m: Manifest) -> str:
+        self.events.append(("move", f"{repo}:{tag}"))
+        self.tags[(repo, tag)] = m.digest
+        hook = self.after_put.pop((repo, tag), None)
         if hook:
             hook()
-        return m
+        return m.digest
+
+    insecure = True
 
     def close(self) -> None:
         self.closed = True
@@ -95,10 +111,10 @@ class FakeDocker:
         self.registry, self.events = registry, events
         self.images: dict[str, dict] = {}  # id -> {"Id", "RepoDigests", "layer"}
         self.refs: dict[str, str] = {}  # local tag -> id
-        self.push_outputs: dict[str, list[str]] = {}  # ref -> outputs of failing attempts, in order
-        self.push_as: dict[str, str] = {}  # ref -> the image id the push really sends (a racing re-tag)
+        self.push_outputs: dict[str, list[str]] = {}  # ref -> reasons of failing copies, in order
+        self.push_as: dict[str, str] = {}  # ref -> the image id a broken copy really sends
         self.lossy: set[str] = set()  # image ids whose layer never reaches the registry
-        self.pushes: list[tuple[str, dict, list[str]]] = []  # (ref, env, redact)
+        self.pushes: list[tuple[str, object, list[str]]] = []  # (ref, config_dir, redact)
 
     def add_image(self, name: str) -> str:
         image_id = _sha(f"config of {name}")
@@ -162,6 +178,24 @@ class FakeDocker:
         return subprocess.CompletedProcess(args, 0, out, "")
 
 
+def fake_copy(world: World):
+    """Stands in for push.copy_image: the image BY ID into the registry (push_as: what a broken copy sends
+    instead; push_outputs: failures of the copy, in order)."""
+    docker = world.docker
+
+    def copy(image_id, ref, config_dir, *, insecure, log, redact=()):
+        world.events.append(("push", ref))
+        docker.pushes.append((ref, config_dir, list(redact)))
+        if docker.push_outputs.get(ref):
+            raise PublishError(f"copying image {image_id[:19]} to {ref} failed: {docker.push_outputs[ref].pop(0)}")
+        sent = docker.push_as.get(ref, image_id)
+        name, tag = ref.rsplit(":", 1)
+        digest = world.registry.put(name.split("/", 1)[1], tag, docker.body(sent), blobs=sent not in docker.lossy)
+        log(f"    pushed {ref} from image {image_id[:19]}: {digest}")
+        return digest
+    return copy
+
+
 class World:
     def __init__(self, monkeypatch):
         self.events: list = []
@@ -170,9 +204,9 @@ class World:
         self.api_args: list = []
         self.log: list[str] = []
         monkeypatch.setattr(push, "run_docker", self.docker)
+        monkeypatch.setattr(phases, "copy_image", fake_copy(self))
         monkeypatch.setattr(phases, "RegistryApi", self._api)
         monkeypatch.setattr(phases, "find_docker", self._no_docker_lookup)
-        monkeypatch.setattr(push, "PUSH_RETRY_WAIT_S", 0.0)
 
     def _api(self, registry, credentials, *, config_dir=None, scheme=None):
         self.api_args.append((registry, credentials, config_dir, scheme))
@@ -193,7 +227,7 @@ class World:
         return phases.publish(items, REGISTRY, docker_config=str(tmp_path), log=self.log.append, **kw)
 
     def moves(self) -> list[tuple]:
-        return [e for e in self.events if e[0] in ("push", "verify", "tag")]
+        return [e for e in self.events if e[0] in ("push", "verify", "move", "tag", "rmi")]
 
 
 @pytest.fixture
@@ -226,13 +260,11 @@ def test_every_long_tag_is_verified_before_any_short_tag_moves(world, tmp_path):
     da, db = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123"), \
         world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123")
     assert world.moves() == [
-        ("tag", _long("minilm-embed")), ("push", _long("minilm-embed")),
-        ("verify", "team/minilm-embed:1.0.0-cpu-abc123", da),
-        ("tag", _long("qwen3-embed")), ("push", _long("qwen3-embed")),
-        ("verify", "team/qwen3-embed:1.0.0-cpu-abc123", db),
-        ("tag", _short("minilm-embed")), ("push", _short("minilm-embed")), ("verify", "team/minilm-embed:1.0-cpu", da),
-        ("tag", _short("qwen3-embed")), ("push", _short("qwen3-embed")), ("verify", "team/qwen3-embed:1.0-cpu", db),
-    ]
+        ("push", _long("minilm-embed")), ("verify", "team/minilm-embed:1.0.0-cpu-abc123", da),
+        ("push", _long("qwen3-embed")), ("verify", "team/qwen3-embed:1.0.0-cpu-abc123", db),
+        ("move", "team/minilm-embed:1.0-cpu"), ("verify", "team/minilm-embed:1.0-cpu", da),
+        ("move", "team/qwen3-embed:1.0-cpu"), ("verify", "team/qwen3-embed:1.0-cpu", db),
+    ]  # no local tag made or removed: images go by id
     assert results == [
         PublishResult("minilm-embed:cpu", (_long("minilm-embed"), _short("minilm-embed")), da, False),
         PublishResult("qwen3-embed:cpu", (_long("qwen3-embed"), _short("qwen3-embed")), db, False),
@@ -242,10 +274,6 @@ def test_every_long_tag_is_verified_before_any_short_tag_moves(world, tmp_path):
     assert world.docker.body(a.image_id)["config"]["digest"] == a.image_id
     assert f"  moved {_short('minilm-embed')}: absent -> {da}" in world.log
     assert f"  moved {_short('qwen3-embed')}: {old} -> {db}" in world.log
-    # The registry-prefixed local tags this run made are removed again; the images stay.
-    assert [e for e in world.events if e[0] == "rmi"] == [
-        ("rmi", r) for r in (_short("qwen3-embed"), _short("minilm-embed"), _long("qwen3-embed"),
-                             _long("minilm-embed"))]
     assert set(world.docker.refs) == {"mopt/minilm-embed:cpu", "mopt/qwen3-embed:cpu"}
     assert world.registry.closed
 
@@ -317,20 +345,31 @@ def test_a_long_tag_taken_by_a_racing_publisher_is_refused_in_phase_1(world, tmp
     assert world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123") == box["digest"]
 
 
-def test_a_local_tag_that_cannot_be_removed_is_a_warning(world, tmp_path, monkeypatch):
+def test_a_copy_that_sends_another_image_fails_the_identity_check(world, tmp_path):
+    """Whatever went wrong in the copy, a long tag whose config is not the tested image stops the release
+    before any short tag moves."""
     a = world.item("minilm-embed")
-    fake = world.docker
+    other = world.docker.add_image("not the tested one")
+    world.docker.push_as[_long("minilm-embed")] = other
+    with pytest.raises(PublishError) as caught:
+        world.publish([a], tmp_path)
+    digest = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123")
+    assert caught.value.message == (f"minilm-embed:cpu: {HOST}/team/minilm-embed:1.0.0-cpu-abc123 = {digest} holds "
+                                    f"image {other}, not the smoke-tested {a.image_id}\n(no short tag was moved)")
+    assert world.registry.digest("team/minilm-embed", "1.0-cpu") is None
 
-    def docker(args, **kw):
-        if args[0] == "rmi" and args[-1] == _long("minilm-embed"):
-            return subprocess.CompletedProcess(args, 1, "", "Error response from daemon: conflict: image is in use\n")
-        return fake(args, **kw)
 
-    monkeypatch.setattr(push, "run_docker", docker)
-    [result] = world.publish([a], tmp_path)
-    assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
-    assert world.log[-1] == (f"  warning: could not remove local tag {_long('minilm-embed')}: Error response from "
-                             "daemon: conflict: image is in use")
+def test_a_long_tag_of_this_image_with_a_missing_blob_is_repaired(world, tmp_path):
+    a = world.item("minilm-embed")
+    [first] = world.publish([a], tmp_path)
+    layer = world.docker.images[a.image_id]["layer"]
+    world.registry.blobs.discard(("team/minilm-embed", layer))
+    world.events.clear()
+    [again] = world.publish([a], tmp_path)
+    assert again == PublishResult("minilm-embed:cpu", (_long("minilm-embed"),), first.digest, False)
+    assert ("team/minilm-embed", layer) in world.registry.blobs
+    assert [e[1] for e in world.events if e[0] == "push"] == [_long("minilm-embed")]
+    assert any("holds this image but is incomplete" in line and "repairing" in line for line in world.log)
 
 
 def test_a_rerun_skips_verified_long_tags_and_short_tags_already_there(world, tmp_path):
@@ -383,7 +422,8 @@ def test_a_long_tag_already_holding_this_image_is_not_pushed(world, tmp_path, kn
 
     moved = () if known_by != "config digest" else (_short("minilm-embed"),)
     assert result == PublishResult("minilm-embed:cpu", moved, digest, True)
-    assert [e[1] for e in world.events if e[0] == "push"] == list(moved)
+    assert [e for e in world.events if e[0] == "push"] == []  # nothing copied: the long tag holds this image
+    assert [e[1] for e in world.events if e[0] == "move"] == ["team/minilm-embed:1.0-cpu"] * len(moved)
     assert world.registry.digest("team/minilm-embed", "1.0-cpu") == digest
 
 
@@ -398,20 +438,19 @@ def test_a_repo_digest_under_another_registry_is_not_this_image(world, tmp_path)
     assert world.moves() == []
 
 
-def test_a_short_tag_pushed_as_another_digest_fails_and_names_the_moved_ones(world, tmp_path):
+def test_a_short_tag_moved_by_another_publisher_meanwhile_fails_and_names_the_moved_ones(world, tmp_path):
     a, b = world.item("minilm-embed"), world.item("qwen3-embed")
-    intruder = world.docker.add_image("retagged meanwhile")
-    world.docker.push_as[_short("qwen3-embed")] = intruder
+    box = {}
+    world.registry.after_put[("team/qwen3-embed", "1.0-cpu")] = lambda: box.setdefault(
+        "digest", _other_image(world, "team/qwen3-embed", "1.0-cpu"))
 
     with pytest.raises(PublishError) as caught:
         world.publish([a, b], tmp_path)
 
     da = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123")
     db = world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123")
-    wrong = world.registry.digest("team/qwen3-embed", "1.0-cpu")
-    assert wrong != db
     assert caught.value.message == (
-        f"qwen3-embed:cpu: {_short('qwen3-embed')} was pushed as {wrong}, but the verified long tag is {db}\n"
+        f"qwen3-embed:cpu: {HOST}/team/qwen3-embed:1.0-cpu points at {box['digest']}, expected {db}\n"
         "(short tags already moved: minilm-embed:cpu)")
     assert caught.value.failed == "qwen3-embed:cpu" and caught.value.long_verified == []
     assert caught.value.published == [
@@ -431,26 +470,20 @@ def test_a_short_tag_failing_verification_fails(world, tmp_path):
     assert caught.value.message.startswith("minilm-embed:cpu: team/minilm-embed: blob ")
     assert caught.value.message.endswith(" is missing")  # the first item: no short tag moved before it
     assert caught.value.published == []
-    assert [e[1] for e in world.events if e[0] == "push"] == [_long("minilm-embed"), _short("minilm-embed")]
+    assert [e[1] for e in world.events if e[0] in ("push", "move")] == [_long("minilm-embed"),
+                                                                        "team/minilm-embed:1.0-cpu"]
 
 
-@pytest.mark.parametrize("ref", [_long("minilm-embed"), _short("minilm-embed")])
-def test_one_refused_docker_push_is_retried(world, tmp_path, ref):
-    # The registry API has just accepted these credentials: one "unauthorized" from docker is a flaky proxy.
-    a = world.item("minilm-embed")
-    world.docker.push_outputs[ref] = ["unauthorized: authentication required\n"]
-    [result] = world.publish([a], tmp_path)
-    assert result.references == (_long("minilm-embed"), _short("minilm-embed"))
-    assert [e[1] for e in world.events if e[0] == "push"].count(ref) == 2
-
-
-@pytest.mark.parametrize("ref", [_long("minilm-embed"), _short("minilm-embed")])
-def test_a_docker_push_refused_twice_fails(world, tmp_path, ref):
-    a = world.item("minilm-embed")
-    world.docker.push_outputs[ref] = ["unauthorized: authentication required\n"] * 2
-    with pytest.raises(PublishError, match=f"docker push {ref} was refused by the registry"):
-        world.publish([a], tmp_path)
-    assert [e[1] for e in world.events if e[0] == "push"].count(ref) == 2
+def test_a_failed_copy_fails_the_release_and_moves_no_short_tag(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    world.docker.push_outputs[_long("qwen3-embed")] = ["unauthorized: authentication required"]
+    with pytest.raises(PublishError) as caught:
+        world.publish([a, b], tmp_path)
+    assert caught.value.message == (
+        f"qwen3-embed:cpu: copying image {b.image_id[:19]} to {_long('qwen3-embed')} failed: unauthorized: "
+        f"authentication required\n(no short tag was moved; verified long tags a re-run will skip: "
+        f"{_long('minilm-embed')})")
+    assert [e for e in world.events if e[0] == "move"] == []
 
 
 # --------------------------------------------------------------------------- publish(): inputs and wiring
@@ -488,15 +521,14 @@ def test_credentials_and_config_dir_reach_the_api_and_docker(world, tmp_path):
     world.publish([a], tmp_path)
     assert world.api_args == [(REGISTRY, Credentials(str(tmp_path / "config.json"), "ci", "s3cret"), tmp_path,
                                None)]
-    assert world.docker.pushes == [(ref, {"DOCKER_CONFIG": str(tmp_path)}, ["s3cret"])
-                                   for ref in (_long("minilm-embed"), _short("minilm-embed"))]
+    assert world.docker.pushes == [(_long("minilm-embed"), tmp_path, ["s3cret"])]
     assert "s3cret" not in "\n".join(world.log)
 
 
 def test_without_credentials_nothing_is_redacted(world, tmp_path):
     world.publish([world.item("minilm-embed")], tmp_path)
     assert world.api_args == [(REGISTRY, None, tmp_path, None)]
-    assert [p[2] for p in world.docker.pushes] == [[], []]
+    assert [p[2] for p in world.docker.pushes] == [[]]
 
 
 def test_the_docker_cli_is_looked_up_only_when_none_is_given(world, tmp_path, monkeypatch):

@@ -17,7 +17,6 @@ from builder.errors import ConfigError, PublishError
 from builder.registry import api as api_mod
 from builder.registry.api import MANIFEST_TYPES, RegistryApi
 from builder.registry.credentials import Credentials, docker_config_dir, load_credentials
-from builder.registry.push import classify_push_output
 from builder.registry.reference import Registry
 
 
@@ -64,18 +63,6 @@ def test_registry_reference():
         "127.0.0.1:5000/mopt/minilm-embed:1.0"
     with pytest.raises(ConfigError):
         Registry.parse("127.0.0.1:5000").reference("mopt/minilm-embed", "bad tag")
-
-
-def test_classify_push_output():
-    ok = ("The push refers to repository [127.0.0.1:5000/mopt/error-denied]\nb7f7163d07ed: Preparing\n"
-          "b7f7163d07ed: Pushed\n1.0: digest: sha256:" + "a" * 64 + " size: 523\n")
-    assert classify_push_output(ok) == "ok"
-    assert classify_push_output("b7f7163d07ed: Preparing\nno basic auth credentials") == "auth"
-    assert classify_push_output("denied: requested access to the resource is denied") == "auth"
-    assert classify_push_output("unauthorized: authentication required") == "auth"
-    assert classify_push_output('Put "http://h/v2/x/blobs/uploads/": EOF') == "transient"
-    assert classify_push_output("received unexpected HTTP status: 503 Service Unavailable") == "transient"
-    assert classify_push_output("An image does not exist locally with the tag: x") == "error"
 
 
 # --------------------------------------------------------------------------- Bearer flow (fake registry)
