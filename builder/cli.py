@@ -343,15 +343,17 @@ def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @hermetic_options
 @click.option("--registry", metavar="HOST[:PORT][/NAMESPACE]", help="Publish here (omit to build and test only).")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failing variant (default: keep going).")
+@click.option("--locked", is_flag=True, help="Build exactly what mopt.lock.json pins (fails when it is stale).")
 @allow_substitute_option
 def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
-            extra_index_url, models, registry: str | None, fail_fast: bool, allow_substitute: bool) -> None:
+            extra_index_url, models, registry: str | None, fail_fast: bool, locked: bool,
+            allow_substitute: bool) -> None:
     """plan -> build -> test -> publish, keep-going, with a JSON + Markdown report."""
     from .release import run_release
 
     steps = ("build", "test", "publish") if registry else ("build", "test")
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
-                                                    extra_index_url, models),
+                                                    extra_index_url, models, locked),
                 steps=steps, registry=registry, fail_fast=fail_fast, allow_substitute=allow_substitute)
 
 

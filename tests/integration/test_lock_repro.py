@@ -52,11 +52,13 @@ def test_stale_lock_fails_clearly(work):
     template.write_text(original + "ENV MOPT_CHANGED=1\n")
     try:
         result = mopt("build", "--locked", "--select", VARIANT, cwd=work)
+        released = mopt("release", "--locked", "--select", VARIANT, cwd=work)
     finally:
         template.write_text(original)
-    assert result.returncode == 2, result.stderr[-1500:]
-    assert "is stale for minilm-embed:cpu" in result.stderr and "run mopt lock" in result.stderr
-    assert "docker build ->" not in result.stderr  # refused before building anything
+    for res in (result, released):  # the release path takes the lock the same way
+        assert res.returncode == 2, res.stderr[-1500:]
+        assert "is stale for minilm-embed:cpu" in res.stderr and "run mopt lock" in res.stderr
+        assert "docker build ->" not in res.stderr  # refused before building anything
 
 
 def test_verify_repro_of_the_cpu_variant(work):

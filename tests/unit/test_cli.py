@@ -87,3 +87,11 @@ def test_missing_matrix_file_exit_2(tmp_path):
 def test_unknown_option_exit_2():
     result = run_mopt("plan", "--frobnicate")
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_release_locked_needs_the_lock_file(workdir):
+    """`mopt release --locked` pins like `build --locked`: without mopt.lock.json it refuses, exit 2."""
+    res = run_mopt("release", "--locked", "--select", "minilm-embed:cpu", "--matrix", str(workdir / "matrix.yaml"),
+                   "--state-dir", str(workdir / "state"))
+    assert res.returncode == 2
+    assert f"--locked but {workdir / 'mopt.lock.json'} does not exist (run mopt lock first)" in res.stderr
