@@ -80,10 +80,32 @@ def cli() -> None:
     """Build GPU inference images from a version matrix: plan, render, build, test, publish."""
 
 
+def _plan_markdown(result, choices) -> str:
+    """The plan as GitHub-flavoured Markdown: full cells, no wrapping or cut headers (unlike the table)."""
+    def cell(text) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = [f"### {len(result.variants)} variants from {result.combinations} combinations", "",
+             "| id | backend | cuda | sm | version | torch | min driver | model |", "| --- " * 8 + "|"]
+    for v in result.variants:
+        r, choice = v.resolved, choices[v.id]
+        model = choice.source.text + (" (substitute)" if choice.substituted else "")
+        lines.append("| " + " | ".join(cell(x) for x in (v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-",
+                                                        r.get("backend_version"), r.get("torch") or "-",
+                                                        r.get("min_driver") or "-", model)) + " |")
+    if result.rejected:
+        lines += ["", f"### {len(result.rejected)} rejected", "", "| would be | why |", "| --- | --- |"]
+        lines += [f"| {cell(r.id)} | {cell('; '.join(r.reasons))} |" for r in result.rejected]
+    if result.warnings:
+        lines += ["", "Warnings:", ""] + [f"- {cell(w)}" for w in result.warnings]
+    return "\n".join(lines)
+
+
 @cli.command()
 @matrix_option
 @select_option
-@format_option
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
+              show_default=True, help="markdown: a GitHub-flavoured table for a CI job summary.")
 @models_option
 def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> None:
     """Expand the matrix into variants; list rejected combinations with their reasons, and the images a
@@ -94,6 +116,9 @@ def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> No
         _echo_json(result.to_json() | {"models": {
             vid: {"source": c.source.text, "substituted": c.substituted, "why": " ".join(c.why.split())}
             for vid, c in choices.items()}})
+        return
+    if fmt == "markdown":
+        click.echo(_plan_markdown(result, choices))
         return
     table = Table(title=f"{len(result.variants)} variants from {result.combinations} combinations")
     table.add_column("id", no_wrap=True)
@@ -326,14 +351,33 @@ def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path) -> None
 @state_option
 @click.option("--registry", required=True, metavar="HOST[:PORT][/NAMESPACE]")
 @click.option("--dry-run", is_flag=True, help="Show what would move; push nothing.")
+@click.option("--long-only", "record_dir", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="Push and verify the long tags only, recording each in DIR for `mopt promote` (one runner's "
+                   "share of a release fanned out over machines).")
 @allow_substitute_option
 def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, dry_run: bool,
-            allow_substitute: bool) -> None:
+            record_dir: Path | None, allow_substitute: bool) -> None:
     """Push images whose smoke test passed: immutable long tag first, digest verified, then the short tag."""
     from .release import run_release
 
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, "none", (), None, (), "auto"),
-                steps=("publish",), registry=registry, dry_run=dry_run, allow_substitute=allow_substitute)
+                steps=("publish",), registry=registry, dry_run=dry_run, allow_substitute=allow_substitute,
+                record_dir=record_dir)
+
+
+@cli.command()
+@matrix_option
+@select_option
+@state_option
+@click.option("--registry", required=True, metavar="HOST[:PORT][/NAMESPACE]")
+@click.option("--records", "record_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              metavar="DIR", help="The long-tag records of every runner (`mopt publish --long-only DIR`), any depth.")
+def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, record_dir: Path) -> None:
+    """Fan-in of a distributed release: verify every planned variant's long tag, then move the short tags."""
+    from .release import run_promote
+    from .state import StateDir
+
+    run_promote(matrix_path, select, registry, record_dir, StateDir(state_dir))
 
 
 @cli.command()

@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from .build import Builder, BuildOptions
 from .errors import MoptError, PublishError, SmokeTestError
-from .hashing import sha256_text
+from .hashing import dump_json, sha256_text
 from .matrix import load_matrix
 from .models import SUBSTITUTE_SUFFIX, image_tags
 from .plan import Variant, make_plan
@@ -80,18 +80,28 @@ def refuse_substitute(variant: Variant, record: VariantRecord, allow_substitute:
                            f"--allow-substitute to ship it as {variant.tag}{SUBSTITUTE_SUFFIX})")
 
 
-def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | None:
+def record_file(record_dir: Path, variant_id: str) -> Path:
+    """Where a variant's long-tag record goes (one file per variant: runners' uploads never collide)."""
+    return record_dir / (variant_id.replace(":", "--").replace("/", "_") + ".json")
+
+
+def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path | None = None) -> PublishError | None:
     """Publish every variant that reached the publish step as ONE release: all long tags pushed and
-    verified before any short tag moves. Returns the error (rows already marked), or None."""
-    from .registry.phases import publish
+    verified before any short tag moves. With RECORD_DIR, only the long tags (a runner's share of a
+    distributed release), each recorded there for `mopt promote`. Returns the error (rows already
+    marked), or None."""
+    from .registry.phases import LongTagRecord, publish
     from .registry.reference import Registry
 
     if not pending:
         return None
     started = time.monotonic()
-    _say(f"publish {len(pending)} variants: long tags first, short tags once all are verified")
+    reg = Registry.parse(registry)
+    _say(f"publish {len(pending)} variants: long tags first, "
+         + ("short tags left to mopt promote" if record_dir else "short tags once all are verified"))
     try:
-        results = publish([item for item, _ in pending], Registry.parse(registry), dry_run=dry_run, log=_say)
+        results = publish([item for item, _ in pending], reg, dry_run=dry_run, log=_say,
+                          long_only=record_dir is not None)
     except PublishError as exc:
         failed = exc.failed
         moved = {r.variant_id: r for r in exc.published}
@@ -107,26 +117,34 @@ def _publish_all(pending: list, registry: str, dry_run: bool) -> PublishError | 
         _say(f"publish FAILED: {exc.message}")
         return exc
     seconds = round(time.monotonic() - started, 1)
-    for (_, row), result in zip(pending, results, strict=True):
+    for (item, row), result in zip(pending, results, strict=True):
         row.durations["publish"] = seconds
         if not dry_run:
             row.published, row.digest, row.references = True, result.digest, list(result.references)
+        if record_dir is not None and not dry_run:
+            record = LongTagRecord(item.variant_id, item.image_id, item.repository, item.long_tag, item.short_tag,
+                                   str(reg), result.digest)
+            path = record_file(record_dir, item.variant_id)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(dump_json(record.to_json()), encoding="utf-8")
+            _say(f"{item.variant_id}: long tag recorded in {path}")
     return None
 
 
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                 registry: str | None = None, dry_run: bool = False, fail_fast: bool = False,
-                allow_substitute: bool = False) -> ReleaseReport:
+                allow_substitute: bool = False, record_dir: Path | None = None) -> ReleaseReport:
     """Every step in one process holding the state dir's lock (statelock.py): a second build, test or
-    publish on the same state dir waits for it."""
+    publish on the same state dir waits for it. RECORD_DIR: publish long tags only, recorded there."""
     load_matrix(Path(matrix_path))  # a broken matrix is reported at once, not after waiting for the lock
     with state_lock(options.state.root, f"mopt {' + '.join(steps)}", log=_say):
         return _run_release(matrix_path, select, options, steps=steps, registry=registry, dry_run=dry_run,
-                            fail_fast=fail_fast, allow_substitute=allow_substitute)
+                            fail_fast=fail_fast, allow_substitute=allow_substitute, record_dir=record_dir)
 
 
 def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
-                 registry: str | None, dry_run: bool, fail_fast: bool, allow_substitute: bool) -> ReleaseReport:
+                 registry: str | None, dry_run: bool, fail_fast: bool, allow_substitute: bool,
+                 record_dir: Path | None) -> ReleaseReport:
     matrix = load_matrix(Path(matrix_path))
     full = make_plan(matrix)
     plan = make_plan(matrix, select) if select else full
@@ -175,7 +193,7 @@ def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOption
             if fail_fast:
                 break
     if pending and not (fail_fast and first_error is not None):
-        publish_error = _publish_all(pending, registry or "", dry_run)
+        publish_error = _publish_all(pending, registry or "", dry_run, record_dir)
         first_error = first_error or publish_error
     report.finished = time.time()
     json_path, md_path = report.write(state.reports)
@@ -189,3 +207,46 @@ def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOption
         # The first failure's class decides the exit code (4 build, 5 smoke test, 6 publish, ...).
         raise type(first_error)(f"{failed} of {len(report.variants)} variants failed; see {md_path}")
     return report
+
+
+def run_promote(matrix_path: str, select: tuple[str, ...], registry: str, record_dir: Path, state: StateDir,
+                docker_config: str | None = None) -> list:
+    """The fan-in job of a distributed release: every planned variant's long-tag record must be in
+    RECORD_DIR and verify in the registry before any short tag moves (registry.phases.promote).
+    Writes reports/promote.md and .json."""
+    from .registry.phases import LongTagRecord, promote
+    from .registry.reference import Registry
+    from .yamlio import parse_json_bounded
+
+    matrix = load_matrix(Path(matrix_path))
+    plan = make_plan(matrix, select) if select else make_plan(matrix)
+    expected = [v.id for v in plan.variants]
+    if not record_dir.is_dir():
+        raise PublishError(f"{record_dir}: no such directory of long-tag records; no short tag was moved")
+    records = []
+    for path in sorted(record_dir.rglob("*.json")):
+        record = LongTagRecord.from_json(parse_json_bounded(path.read_text(encoding="utf-8"), str(path)), str(path))
+        if record.variant_id in expected:
+            records.append(record)
+        else:
+            _say(f"note: {path} is for {record.variant_id}, not a variant of this release; ignored")
+    seen: dict[str, Path] = {}
+    for record in records:
+        if record.variant_id in seen:
+            raise PublishError(f"two long-tag records for {record.variant_id}; no short tag was moved")
+        seen[record.variant_id] = record_dir
+    _say(f"promote {len(expected)} variants: {len(records)} long-tag records found")
+    results = promote(records, expected, Registry.parse(registry), docker_config=docker_config, log=_say)
+    by_id = {r.variant_id: r for r in records}
+    rows = [{"variant": r.variant_id, "long_tag": by_id[r.variant_id].long_tag,
+             "short_tag": by_id[r.variant_id].short_tag, "digest": r.digest,
+             "short_tag_moved": bool(r.references)} for r in results]
+    state.reports.mkdir(parents=True, exist_ok=True)
+    (state.reports / "promote.json").write_text(dump_json({"registry": registry, "variants": rows}))
+    lines = [f"## Release promoted to {registry}", "", "| variant | long tag | short tag | digest | short tag |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['variant']} | {r['long_tag']} | {r['short_tag']} | `{r['digest'][:19]}` | "
+              f"{'moved' if r['short_tag_moved'] else 'already there'} |" for r in rows]
+    (state.reports / "promote.md").write_text("\n".join(lines) + "\n")
+    console.print("\n".join(lines), markup=False)
+    return results

@@ -18,6 +18,12 @@
 
 A failure in phases 0-1 leaves every short tag where it was, so users pulling a short tag never see
 half a release; a re-run skips the long tags already verified.
+
+Across machines (a release fanned out over CI runners): each runner publishes its variants with
+long_only=True, stopping after phase 1, and keeps a LongTagRecord per variant; one job then calls
+promote() with every record of the release, which needs no local image: it checks a record exists for
+every planned variant, verifies every long tag again against its record (digest, blobs, config = the
+tested image id), and only then runs phase 2.
 """
 from __future__ import annotations
 
@@ -78,13 +84,42 @@ def refs(item: PublishItem, registry: Registry) -> Refs:
                 short=registry.reference(item.repository, item.short_tag))
 
 
+@dataclass(frozen=True)
+class LongTagRecord:
+    """What a runner's long-only publish leaves for the release's promote job."""
+
+    variant_id: str
+    image_id: str  # the smoke-tested image: the long tag's config digest
+    repository: str
+    long_tag: str
+    short_tag: str
+    registry: str  # as given to --registry
+    digest: str  # the verified manifest digest of the long tag
+
+    FIELDS = ("variant_id", "image_id", "repository", "long_tag", "short_tag", "registry", "digest")
+
+    def to_json(self) -> dict[str, str]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_json(cls, data: object, where: str) -> LongTagRecord:
+        if not isinstance(data, dict) or set(data) != set(cls.FIELDS) or \
+                not all(isinstance(data[k], str) and data[k] for k in cls.FIELDS):
+            raise PublishError(f"{where}: not a long-tag record (expected the keys {', '.join(cls.FIELDS)})")
+        return cls(**{k: data[k] for k in cls.FIELDS})
+
+    def item(self) -> PublishItem:
+        return PublishItem(self.variant_id, self.image_id, self.repository, self.long_tag, self.short_tag)
+
+
 def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: str | None = None,
-            dry_run: bool = False, log: Log = print, docker: DockerCli | None = None) -> list[PublishResult]:
+            dry_run: bool = False, log: Log = print, docker: DockerCli | None = None,
+            long_only: bool = False) -> list[PublishResult]:
     """Publish a release in phases (see the module doc). Raises PublishError (exit 6) at the first failure;
     its `failed` names the variant, `published` the results whose short tag moved (empty when phase 1
     failed), `long_verified` the long tags in the registry and verified, which a re-run skips.
     `dry_run` changes nothing, logs what would move (long tags first, then short tags), and raises at the
-    end if the real run would be refused."""
+    end if the real run would be refused. `long_only` stops after phase 1 (promote() moves the short tags)."""
     items = list(items)
     seen: dict[tuple[str, str], str] = {}
     for item in items:
@@ -104,7 +139,49 @@ def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: 
         planned = plan(items, registry, api, cli, stop_at_first_error=not dry_run)
         if dry_run:
             return _dry_run(planned, api, log)
-        return _publish(planned, api, cli, config_dir, secrets, log)
+        return _publish(planned, api, config_dir, secrets, log, long_only)
+    finally:
+        api.close()
+
+
+def promote(records: Iterable[LongTagRecord], expected: Iterable[str], registry: Registry, *,
+            docker_config: str | None = None, log: Log = print) -> list[PublishResult]:
+    """The fan-in of a distributed release: phase 2 for long tags published elsewhere. EXPECTED names
+    every variant of the release; one without a record (its job failed or never published) stops the
+    release with no short tag moved, as does a long tag that no longer verifies against its record."""
+    records = list(records)
+    by_id = {r.variant_id: r for r in records}
+    missing = [v for v in expected if v not in by_id]
+    if missing:
+        raise PublishError(f"no long-tag record for {', '.join(missing)} (its job failed or did not publish); "
+                           "no short tag was moved")
+    elsewhere = sorted({r.registry for r in records} - {str(registry)})
+    if elsewhere:
+        raise PublishError(f"records name registry {', '.join(elsewhere)}, not {registry}; no short tag was moved")
+    config_dir = docker_config_dir(docker_config)
+    api = RegistryApi(registry, load_credentials(registry, config_dir), config_dir=config_dir)
+    try:
+        planned = [PlannedItem(item=r.item(), refs=refs(r.item(), registry), local=LocalImage(r.image_id, ()),
+                               remote_long=None, same_image=True, error=None) for r in records]
+        checked: list[str] = []
+        for p, record in zip(planned, records, strict=True):  # every long tag, before any short tag
+            try:
+                verify_identity(api, p, record.long_tag, record.digest)
+            except PublishError as exc:
+                raise fail(exc, p.item, [], checked, moving_short_tags=False) from None
+            log(f"  verified {p.refs.long} = {record.digest} (image {record.image_id[:19]})")
+            checked.append(p.refs.long)
+        log(f"all {len(checked)} long tags of the release verified; moving the short tags")
+        results: list[PublishResult] = []
+        for p, record in zip(planned, records, strict=True):
+            pushed: list[str] = []
+            try:
+                _short_tag(p, record.digest, api, log, pushed)
+            except PublishError as exc:
+                raise fail(exc, p.item, results, [], moving_short_tags=True) from None
+            log(f"  verified {p.refs.short} = {record.digest}")
+            results.append(PublishResult(p.item.variant_id, tuple(pushed), record.digest, not pushed))
+        return results
     finally:
         api.close()
 
@@ -213,8 +290,8 @@ def _dry_run(planned: list[PlannedItem], api: RegistryApi, log: Log) -> list[Pub
     return results
 
 
-def _publish(planned: list[PlannedItem], api: RegistryApi, cli: DockerCli, config_dir: Path, secrets: list[str],
-             log: Log) -> list[PublishResult]:
+def _publish(planned: list[PlannedItem], api: RegistryApi, config_dir: Path, secrets: list[str],
+             log: Log, long_only: bool) -> list[PublishResult]:
     refused = next((p for p in planned if p.error is not None), None)
     if refused is not None:  # phase 0: refuse before pushing anything
         raise fail(refused.error, refused.item, [], [], moving_short_tags=False) from None
@@ -229,6 +306,10 @@ def _publish(planned: list[PlannedItem], api: RegistryApi, cli: DockerCli, confi
         except PublishError as exc:
             raise fail(exc, p.item, [], [v[0].refs.long for v in verified], moving_short_tags=False) from None
         verified.append((p, digest, skipped, pushed))
+    if long_only:
+        log(f"all {len(verified)} long tags verified; short tags left to `mopt promote`")
+        return [PublishResult(p.item.variant_id, tuple(pushed), digest, skipped)
+                for p, digest, skipped, pushed in verified]
     log(f"all {len(verified)} long tags verified; moving the short tags")
     results: list[PublishResult] = []
     for p, digest, skipped, pushed in verified:  # phase 2: only now move the short (moving) tags

@@ -95,3 +95,15 @@ def test_release_locked_needs_the_lock_file(workdir):
                    "--state-dir", str(workdir / "state"))
     assert res.returncode == 2
     assert f"--locked but {workdir / 'mopt.lock.json'} does not exist (run mopt lock first)" in res.stderr
+
+
+def test_plan_markdown_is_a_full_table_for_a_job_summary():
+    res = run_mopt("plan", "--format", "markdown", "--select", "minilm-embed:*")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    header = "| id | backend | cuda | sm | version | torch | min driver | model |"
+    assert lines[0].startswith("### 2 variants from ") and header in lines
+    rows = [ln for ln in lines if ln.startswith("| minilm-embed:")]
+    assert [r.split(" | ")[0] for r in rows] == ["| minilm-embed:cpu", "| minilm-embed:cpu-vllm"]
+    assert all(r.count(" | ") == 7 for r in rows)  # every column, uncut
+    assert not any(ch in res.stdout for ch in "│┃━─")  # no box drawing

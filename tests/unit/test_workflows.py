@@ -54,5 +54,31 @@ def test_release_matrix_comes_from_mopt_and_runners_from_sm():
     assert job["runs-on"] == "${{ matrix.runner }}"
     assert "mopt matrix --github" in str(release["jobs"]["plan"]["steps"])
     steps = [s.get("name") for s in job["steps"]]
-    assert steps.index("Build and smoke-test") < steps.index("Publish (only images whose smoke test passed)")
+    assert steps.index("Build and smoke-test") < steps.index(
+        "Publish the long tag (only images whose smoke test passed)") < steps.index("Keep the long-tag record")
     assert "GITHUB_STEP_SUMMARY" in str(job["steps"])
+
+
+def test_release_fans_out_long_tags_and_fans_in_to_one_promote():
+    """Each variant's job pushes only its long tag and uploads its record; one job, after all of them
+    (also when one failed, to report it), promotes: short tags move only there."""
+    release = yaml.safe_load((REPO / ".github/workflows/release.yml").read_text())
+    jobs = release["jobs"]
+    runs = {name: " ".join(str(step.get("run", "")) for step in job["steps"]) for name, job in jobs.items()}
+    assert "--long-only" in runs["build-test-publish"] and "mopt promote" not in runs["build-test-publish"]
+    assert "mopt promote" in runs["promote"] and "--records" in runs["promote"]
+    assert jobs["promote"]["needs"] == ["plan", "build-test-publish"] and "always()" in jobs["promote"]["if"]
+    uploads = [s for s in jobs["build-test-publish"]["steps"] if "upload-artifact" in s.get("uses", "")]
+    downloads = [s for s in jobs["promote"]["steps"] if "download-artifact" in s.get("uses", "")]
+    assert uploads[0]["with"]["name"].startswith("long-tag-") and downloads[0]["with"]["pattern"] == "long-tag-*"
+    # The state dir outlives the workspace (actions/checkout cleans it): engines are not recompiled.
+    assert jobs["build-test-publish"]["env"]["MOPT_STATE_DIR"].startswith("${{ vars.MOPT_RUNNER_STATE_DIR")
+    assert "--format markdown" in runs["plan"]
+
+
+def test_third_party_actions_are_pinned_by_commit():
+    for path in WORKFLOWS:
+        for job in yaml.safe_load(path.read_text())["jobs"].values():
+            for step in job.get("steps", []):
+                if "uses" in step:
+                    assert re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", step["uses"]), (path.name, step["uses"])
