@@ -17,8 +17,8 @@ import pytest
 
 from builder.localregistry import docker_login
 from builder.state import ModelRecord, SmokeRecord, StateDir, VariantRecord
-from tests.integration.test_publish import PASSWORD, Api, _import_image, docker, registry  # noqa: F401
 from tests.integration.conftest import REPO
+from tests.integration.test_publish import PASSWORD, Api, _import_image, docker, registry  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
