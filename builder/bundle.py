@@ -14,7 +14,6 @@ checks the host, runs each image's smoke test locally, and puts the models into 
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import subprocess
 import tarfile
@@ -22,9 +21,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import quote
 
 from . import __version__, hubs
+from .attest.sbom import sbom
 from .dockerclient import DockerCli, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem, SmokeTestError
 from .hashing import dump_json, sha256_file
@@ -39,39 +38,9 @@ SUMS = "SHA256SUMS"
 ENGINE_DIR = "/opt/mopt/engine"
 
 
-_LIST_DISTRIBUTIONS = """
-import importlib.metadata, json
-seen = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
-print(json.dumps([{"name": n, "version": v} for n, v in seen.items()]))
-"""
-
-
 def _in_image(docker: DockerCli, image: str, script: str) -> str:
     return run_docker(["run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c", script],
                       docker=docker, timeout=300).stdout
-
-
-def sbom(docker: DockerCli, image_id: str, reference: str) -> dict:
-    """CycloneDX 1.5 from the image's own package databases: dpkg and the venv's pip."""
-    debs = _in_image(docker, image_id, "dpkg-query -W -f '${Package}\\t${Version}\\t${Architecture}\\n'")
-    # From the installed distributions' metadata, not `pip list`: the final image carries no pip.
-    pips = json.loads(_in_image(docker, image_id, "python -c " + shlex.quote(_LIST_DISTRIBUTIONS)))
-    components = []
-    for line in sorted(debs.strip().splitlines()):
-        name, version, arch = line.split("\t")
-        components.append({"type": "library", "name": name, "version": version,
-                           "purl": f"pkg:deb/debian/{name}@{quote(version, safe='.-_~')}?arch={arch}",
-                           "bom-ref": f"deb:{name}"})
-    for item in sorted(pips, key=lambda p: p["name"].lower()):
-        name = item["name"].lower()
-        components.append({"type": "library", "name": item["name"], "version": item["version"],
-                           "purl": f"pkg:pypi/{name}@{quote(item['version'], safe='.-_~')}",
-                           "bom-ref": f"pypi:{name}"})
-    return {"bomFormat": "CycloneDX", "specVersion": "1.5", "version": 1,
-            "metadata": {"tools": [{"vendor": "mopt", "name": "mopt", "version": __version__}],
-                         "component": {"type": "container", "name": reference, "version": image_id,
-                                       "bom-ref": image_id}},
-            "components": components}
 
 
 def export(variants: list[tuple[Variant, VariantRecord, dict]], out: Path, *, state: StateDir,

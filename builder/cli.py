@@ -70,6 +70,11 @@ models_option = click.option(
     "--models", type=click.Choice(["auto", "source", "substitute"]), default="auto", show_default=True,
     help="auto uses a recipe's substitute model where its source (the Hub) is unreachable; a substitute is "
          "tagged TAG-substitute and labelled as such.")
+sign_key_option = click.option(
+    "--sign-key", type=click.Path(dir_okay=False, exists=True, path_type=Path), envvar="MOPT_SIGN_KEY",
+    help="PEM private key (ECDSA P-256 or Ed25519): sign each published image's SBOM and provenance and attach "
+         "them to its digest in the registry (check with mopt verify).")
+
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
                              show_default=True)
 
@@ -354,15 +359,16 @@ def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path) -> None
 @click.option("--long-only", "record_dir", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Push and verify the long tags only, recording each in DIR for `mopt promote` (one runner's "
                    "share of a release fanned out over machines).")
+@sign_key_option
 @allow_substitute_option
 def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, dry_run: bool,
-            record_dir: Path | None, allow_substitute: bool) -> None:
+            record_dir: Path | None, sign_key: Path | None, allow_substitute: bool) -> None:
     """Push images whose smoke test passed: immutable long tag first, digest verified, then the short tag."""
     from .release import run_release
 
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, "none", (), None, (), "auto"),
                 steps=("publish",), registry=registry, dry_run=dry_run, allow_substitute=allow_substitute,
-                record_dir=record_dir)
+                record_dir=record_dir, sign_key=sign_key)
 
 
 @cli.command()
@@ -388,9 +394,10 @@ def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @click.option("--registry", metavar="HOST[:PORT][/NAMESPACE]", help="Publish here (omit to build and test only).")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failing variant (default: keep going).")
 @click.option("--locked", is_flag=True, help="Build exactly what mopt.lock.json pins (fails when it is stale).")
+@sign_key_option
 @allow_substitute_option
 def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
-            extra_index_url, models, registry: str | None, fail_fast: bool, locked: bool,
+            extra_index_url, models, registry: str | None, fail_fast: bool, locked: bool, sign_key: Path | None,
             allow_substitute: bool) -> None:
     """plan -> build -> test -> publish, keep-going, with a JSON + Markdown report."""
     from .release import run_release
@@ -398,7 +405,8 @@ def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundl
     steps = ("build", "test", "publish") if registry else ("build", "test")
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
                                                     extra_index_url, models, locked),
-                steps=steps, registry=registry, fail_fast=fail_fast, allow_substitute=allow_substitute)
+                steps=steps, registry=registry, fail_fast=fail_fast, allow_substitute=allow_substitute,
+                sign_key=sign_key)
 
 
 @cli.command()
@@ -535,6 +543,48 @@ def verify_repro_cmd(matrix_path: str, select: str, state_dir: Path, ca_bundle, 
         raise BuildError(f"{result.variants[0].id} is not reproducible: {len(report['differences'])} files differ "
                          f"(report: {report['report_path']})")
     click.echo(f"reproducible: the two builds' file manifests match (report: {report['report_path']})")
+
+
+@cli.command("verify")
+@click.argument("image", metavar="HOST[:PORT]/REPO[:TAG|@DIGEST]")
+@click.option("--key", "key_path", required=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="PEM public key of the signer.")
+@format_option
+def verify_cmd(image: str, key_path: Path, fmt: str) -> None:
+    """Check an image's attestations in the registry: an SBOM and a provenance, signed by KEY, for exactly
+    its digest (exit 8 otherwise). Needs the registry only: no transparency log, no other host."""
+    from .attest import dsse
+    from .attest.signing import verify
+    from .registry.api import RegistryApi
+    from .registry.credentials import docker_config_dir, load_credentials
+    from .registry.reference import Registry
+
+    host, _, rest = image.partition("/")
+    if not rest or "." not in host and ":" not in host and host != "localhost":
+        raise ConfigError(f"{image!r}: expected HOST[:PORT]/REPO[:TAG|@DIGEST] (the registry host first)")
+    repo, at, digest = rest.partition("@")
+    if not at:
+        repo, _, tag = repo.rpartition(":") if ":" in repo else (repo, "", "latest")
+        reference = tag
+    else:
+        reference = digest
+    key = dsse.load_public_key(key_path)
+    registry = Registry.parse(host)
+    config_dir = docker_config_dir(None)
+    api = RegistryApi(registry, load_credentials(registry, config_dir), config_dir=config_dir)
+    try:
+        result = verify(api, repo, f"{host}/{repo}", reference, key)
+    finally:
+        api.close()
+    if fmt == "json":
+        _echo_json({"image": image, "digest": result.digest, "key": result.key_id, "attestations": result.found,
+                    "not_counted": result.rejected})
+        return
+    click.echo(f"{host}/{repo}@{result.digest}: verified with key {result.key_id[:23]}")
+    for kind, artifact in sorted(result.found.items()):
+        click.echo(f"  {kind}: {artifact}")
+    for why in result.rejected:
+        click.echo(f"  not counted: {why}")
 
 
 @cli.command("prune")

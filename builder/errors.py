@@ -70,3 +70,10 @@ class EnvironmentProblem(MoptError):
     """Something the host lacks (docker daemon, BuildKit client, disk). Exit 7."""
 
     exit_code = 7
+
+
+class VerificationFailed(MoptError):
+    """An image's signed attestations are missing, not signed by the given key, or about another
+    digest. Exit 8."""
+
+    exit_code = 8

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from .attest.signing import AttestInputs
 from .build import Builder, BuildOptions
 from .errors import MoptError, PublishError, SmokeTestError
 from .hashing import dump_json, sha256_text
@@ -85,7 +86,29 @@ def record_file(record_dir: Path, variant_id: str) -> Path:
     return record_dir / (variant_id.replace(":", "--").replace("/", "_") + ".json")
 
 
-def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path | None = None) -> PublishError | None:
+def _signer(key_path: Path, inputs: dict, log):
+    """publish's after_long: sign and attach each published image's SBOM and provenance (attest/)."""
+    from .attest import dsse, referrers
+    from .attest.provenance import CYCLONEDX, SLSA_PROVENANCE
+    from .attest.signing import attest
+    from .dockerclient import find_docker
+
+    key = dsse.load_private_key(key_path)
+    docker = find_docker()
+
+    def after_long(item, refs, digest, api) -> None:
+        index = api.manifest(refs.repo, referrers.referrers_tag(digest))
+        attached = {e.get("annotations", {}).get(referrers.PREDICATE_ANNOTATION)
+                    for e in (index.body.get("manifests", []) if index else [])}
+        if {CYCLONEDX, SLSA_PROVENANCE} <= attached:
+            log(f"  {refs.long} = {digest} already has its SBOM and provenance attached")
+            return
+        attest(api, refs.repo, refs.name, digest, inputs[item.variant_id], key, docker, log)
+    return after_long
+
+
+def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path | None = None,
+                 sign_key: Path | None = None, attest_inputs: dict | None = None) -> PublishError | None:
     """Publish every variant that reached the publish step as ONE release: all long tags pushed and
     verified before any short tag moves. With RECORD_DIR, only the long tags (a runner's share of a
     distributed release), each recorded there for `mopt promote`. Returns the error (rows already
@@ -100,8 +123,9 @@ def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path |
     _say(f"publish {len(pending)} variants: long tags first, "
          + ("short tags left to mopt promote" if record_dir else "short tags once all are verified"))
     try:
+        after_long = _signer(sign_key, attest_inputs or {}, _say) if sign_key and not dry_run else None
         results = publish([item for item, _ in pending], reg, dry_run=dry_run, log=_say,
-                          long_only=record_dir is not None)
+                          long_only=record_dir is not None, after_long=after_long)
     except PublishError as exc:
         failed = exc.failed
         moved = {r.variant_id: r for r in exc.published}
@@ -133,18 +157,20 @@ def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path |
 
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                 registry: str | None = None, dry_run: bool = False, fail_fast: bool = False,
-                allow_substitute: bool = False, record_dir: Path | None = None) -> ReleaseReport:
+                allow_substitute: bool = False, record_dir: Path | None = None,
+                sign_key: Path | None = None) -> ReleaseReport:
     """Every step in one process holding the state dir's lock (statelock.py): a second build, test or
     publish on the same state dir waits for it. RECORD_DIR: publish long tags only, recorded there."""
     load_matrix(Path(matrix_path))  # a broken matrix is reported at once, not after waiting for the lock
     with state_lock(options.state.root, f"mopt {' + '.join(steps)}", log=_say):
         return _run_release(matrix_path, select, options, steps=steps, registry=registry, dry_run=dry_run,
-                            fail_fast=fail_fast, allow_substitute=allow_substitute, record_dir=record_dir)
+                            fail_fast=fail_fast, allow_substitute=allow_substitute, record_dir=record_dir,
+                            sign_key=sign_key)
 
 
 def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                  registry: str | None, dry_run: bool, fail_fast: bool, allow_substitute: bool,
-                 record_dir: Path | None) -> ReleaseReport:
+                 record_dir: Path | None, sign_key: Path | None) -> ReleaseReport:
     matrix = load_matrix(Path(matrix_path))
     full = make_plan(matrix)
     plan = make_plan(matrix, select) if select else full
@@ -154,6 +180,7 @@ def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOption
     builder = None
     first_error: MoptError | None = None
     pending: list = []  # (PublishItem, row): published together once every variant is through
+    attest_inputs: dict = {}  # variant id -> what its signed provenance states
     _say(f"{len(plan.variants)} variants to {' -> '.join(steps)}")
     for variant in plan.variants:
         row = VariantReport(id=variant.id, image=variant.image, flavour=variant.flavour, tag=variant.tag,
@@ -184,6 +211,7 @@ def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOption
                     _smoke(state, matrix, variant, record, row)
                 elif step == "publish":
                     pending.append((_publish_item(state, variant, record, allow_substitute), row))
+                    attest_inputs[variant.id] = AttestInputs(variant, record, state, options.lock_file)
                     continue
                 row.durations[step] = round(time.monotonic() - started, 1)
         except MoptError as exc:
@@ -193,7 +221,7 @@ def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOption
             if fail_fast:
                 break
     if pending and not (fail_fast and first_error is not None):
-        publish_error = _publish_all(pending, registry or "", dry_run, record_dir)
+        publish_error = _publish_all(pending, registry or "", dry_run, record_dir, sign_key, attest_inputs)
         first_error = first_error or publish_error
     report.finished = time.time()
     json_path, md_path = report.write(state.reports)

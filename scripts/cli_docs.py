@@ -64,7 +64,8 @@ def host_section(env: dict[str, dict]) -> list[str]:
     ctx = click.Context(cli, info_name="mopt")
     lines = ["## Host: `mopt`", "", _cell(cli.help), "",
              "Run `mopt COMMAND --help` for the same text. Exit codes: 0 ok, 2 bad input, 3 incompatible "
-             "combination, 4 build failed, 5 smoke test failed, 6 publish failed, 7 host problem.", ""]
+             "combination, 4 build failed, 5 smoke test failed, 6 publish failed, 7 host problem, 8 verification "
+             "failed (mopt verify).", ""]
     for name in cli.list_commands(ctx):
         command = cli.get_command(ctx, name)
         lines += [f"### `mopt {name}`", "", _cell(command.help or ""), "",

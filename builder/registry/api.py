@@ -271,6 +271,46 @@ class RegistryApi:
             raise PublishError(f"{repo}:{tag} was stored as {digest}, not the manifest {m.digest} sent")
         return m.digest
 
+    def get_blob(self, repo: str, digest: str, max_bytes: int = 16 * 1024 * 1024) -> bytes:
+        """A (small) blob's bytes, checked against its digest."""
+        resp = self.request("GET", f"/v2/{repo}/blobs/{digest}", scope=f"repository:{repo}:pull")
+        if resp.status_code != 200:
+            raise PublishError(f"GET blob {repo}@{digest} answered HTTP {resp.status_code}")
+        if len(resp.content) > max_bytes:
+            raise PublishError(f"blob {repo}@{digest} is larger than {max_bytes} bytes")
+        if "sha256:" + sha256_bytes(resp.content) != digest:
+            raise PublishError(f"blob {repo}@{digest} does not match its digest")
+        return resp.content
+
+    def upload_blob(self, repo: str, data: bytes) -> str:
+        """Put DATA as a blob of REPO (skipped when present); its digest."""
+        digest = "sha256:" + sha256_bytes(data)
+        if self.blob_exists(repo, digest)[0]:
+            return digest
+        scope = f"repository:{repo}:pull,push"
+        start = self.request("POST", f"/v2/{repo}/blobs/uploads/", scope=scope)
+        location = start.headers.get("Location", "")
+        if start.status_code != 202 or not location:
+            raise PublishError(f"starting a blob upload to {repo} answered HTTP {start.status_code}")
+        if location.startswith("http"):
+            location = "/" + location.split("/", 3)[3]
+        sep = "&" if "?" in location else "?"
+        done = self.request("PUT", f"{location}{sep}digest={digest}", scope=scope,
+                            headers={"Content-Type": "application/octet-stream"}, data=data)
+        if done.status_code != 201:
+            raise PublishError(f"uploading blob {digest} to {repo} answered HTTP {done.status_code}")
+        return digest
+
+    def put_manifest_by_digest(self, repo: str, body: dict) -> Manifest:
+        """Store BODY (a manifest or index) under its own digest; the stored manifest."""
+        raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        m = Manifest("sha256:" + sha256_bytes(raw), body["mediaType"], body, raw)
+        resp = self.request("PUT", f"/v2/{repo}/manifests/{m.digest}", scope=f"repository:{repo}:pull,push",
+                            headers={"Content-Type": m.media_type}, data=raw)
+        if resp.status_code not in (200, 201):
+            raise PublishError(f"PUT manifest {repo}@{m.digest} answered HTTP {resp.status_code}: {resp.text[:200]}")
+        return m
+
     def blob_exists(self, repo: str, digest: str) -> tuple[bool, int | None]:
         resp = self.request("HEAD", f"/v2/{repo}/blobs/{digest}", scope=f"repository:{repo}:pull")
         if resp.status_code == 404:

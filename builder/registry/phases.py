@@ -112,14 +112,19 @@ class LongTagRecord:
         return PublishItem(self.variant_id, self.image_id, self.repository, self.long_tag, self.short_tag)
 
 
+AfterLong = Callable[[PublishItem, "Refs", str, RegistryApi], None]  # (item, refs, verified digest, api)
+
+
 def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: str | None = None,
             dry_run: bool = False, log: Log = print, docker: DockerCli | None = None,
-            long_only: bool = False) -> list[PublishResult]:
+            long_only: bool = False, after_long: AfterLong | None = None) -> list[PublishResult]:
     """Publish a release in phases (see the module doc). Raises PublishError (exit 6) at the first failure;
     its `failed` names the variant, `published` the results whose short tag moved (empty when phase 1
     failed), `long_verified` the long tags in the registry and verified, which a re-run skips.
     `dry_run` changes nothing, logs what would move (long tags first, then short tags), and raises at the
-    end if the real run would be refused. `long_only` stops after phase 1 (promote() moves the short tags)."""
+    end if the real run would be refused. `long_only` stops after phase 1 (promote() moves the short tags).
+    `after_long` runs for every item once all long tags are verified and before any short tag moves
+    (signing: a short tag never names an image without its attestations)."""
     items = list(items)
     seen: dict[tuple[str, str], str] = {}
     for item in items:
@@ -139,7 +144,7 @@ def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: 
         planned = plan(items, registry, api, cli, stop_at_first_error=not dry_run)
         if dry_run:
             return _dry_run(planned, api, log)
-        return _publish(planned, api, config_dir, secrets, log, long_only)
+        return _publish(planned, api, config_dir, secrets, log, long_only, after_long)
     finally:
         api.close()
 
@@ -291,7 +296,7 @@ def _dry_run(planned: list[PlannedItem], api: RegistryApi, log: Log) -> list[Pub
 
 
 def _publish(planned: list[PlannedItem], api: RegistryApi, config_dir: Path, secrets: list[str],
-             log: Log, long_only: bool) -> list[PublishResult]:
+             log: Log, long_only: bool, after_long: AfterLong | None = None) -> list[PublishResult]:
     refused = next((p for p in planned if p.error is not None), None)
     if refused is not None:  # phase 0: refuse before pushing anything
         raise fail(refused.error, refused.item, [], [], moving_short_tags=False) from None
@@ -306,6 +311,11 @@ def _publish(planned: list[PlannedItem], api: RegistryApi, config_dir: Path, sec
         except PublishError as exc:
             raise fail(exc, p.item, [], [v[0].refs.long for v in verified], moving_short_tags=False) from None
         verified.append((p, digest, skipped, pushed))
+    for p, digest, _, _ in verified if after_long else ():
+        try:
+            after_long(p.item, p.refs, digest, api)
+        except PublishError as exc:
+            raise fail(exc, p.item, [], [v[0].refs.long for v in verified], moving_short_tags=False) from None
     if long_only:
         log(f"all {len(verified)} long tags verified; short tags left to `mopt promote`")
         return [PublishResult(p.item.variant_id, tuple(pushed), digest, skipped)

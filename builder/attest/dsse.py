@@ -1,0 +1,91 @@
+"""DSSE envelopes (https://github.com/secure-systems-lab/dsse) signed with a PEM key the user supplies.
+
+Keys: PKCS#8 / SubjectPublicKeyInfo PEM, ECDSA P-256 (SHA-256, as cosign's default keys) or Ed25519.
+cosign's own encrypted key format is not read: convert with `cosign public-key` / openssl. The key id
+is the SHA-256 of the public key's DER, so a verifier can say which key signed.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+from ..errors import ConfigError
+
+IN_TOTO = "application/vnd.in-toto+json"
+ENVELOPE_MEDIA_TYPE = "application/vnd.dsse.envelope.v1+json"
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE's pre-authentication encoding: what is signed."""
+    kind = payload_type.encode()
+    return b"DSSEv1 %d %s %d %s" % (len(kind), kind, len(payload), payload)
+
+
+def load_private_key(path: Path):
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path}: not an unencrypted PEM private key ({type(exc).__name__})") from None
+    if not isinstance(key, (ec.EllipticCurvePrivateKey, ed25519.Ed25519PrivateKey)) or \
+            (isinstance(key, ec.EllipticCurvePrivateKey) and not isinstance(key.curve, ec.SECP256R1)):
+        raise ConfigError(f"{path}: the signing key must be ECDSA P-256 or Ed25519")
+    return key
+
+
+def load_public_key(path: Path):
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a PEM public key ({type(exc).__name__})") from None
+    if not isinstance(key, (ec.EllipticCurvePublicKey, ed25519.Ed25519PublicKey)):
+        raise ConfigError(f"{path}: the key must be ECDSA P-256 or Ed25519")
+    return key
+
+
+def key_id(public_key) -> str:
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return "sha256:" + hashlib.sha256(der).hexdigest()
+
+
+def sign(statement: dict, private_key) -> dict:
+    payload = json.dumps(statement, sort_keys=True, separators=(",", ":")).encode()
+    message = pae(IN_TOTO, payload)
+    if isinstance(private_key, ed25519.Ed25519PrivateKey):
+        signature = private_key.sign(message)
+    else:
+        signature = private_key.sign(message, ec.ECDSA(hashes.SHA256()))
+    return {"payloadType": IN_TOTO, "payload": base64.b64encode(payload).decode(),
+            "signatures": [{"keyid": key_id(private_key.public_key()), "sig": base64.b64encode(signature).decode()}]}
+
+
+def open_envelope(envelope: object, public_key) -> dict | None:
+    """The statement, when ENVELOPE is an in-toto DSSE envelope with a valid signature by PUBLIC_KEY;
+    None otherwise (another key, a changed payload, not an envelope)."""
+    if not isinstance(envelope, dict) or envelope.get("payloadType") != IN_TOTO:
+        return None
+    try:
+        payload = base64.b64decode(envelope["payload"], validate=True)
+        signatures = [base64.b64decode(s["sig"], validate=True) for s in envelope["signatures"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+    message = pae(IN_TOTO, payload)
+    for signature in signatures:
+        try:
+            if isinstance(public_key, ed25519.Ed25519PublicKey):
+                public_key.verify(signature, message)
+            else:
+                public_key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+        except InvalidSignature:
+            continue
+        try:
+            statement = json.loads(payload)
+        except ValueError:
+            return None
+        return statement if isinstance(statement, dict) else None
+    return None
