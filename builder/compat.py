@@ -190,7 +190,7 @@ def load_knowledge_base(path: str | Path | None = None) -> KnowledgeBase:
         data = safe_load_bounded(text, file)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', None) or exc}", file=file,
+        raise ConfigError(f"malformed YAML: {getattr(exc, 'problem', None) or exc}", file=file,
                           line=mark.line + 1 if mark else None) from None
     schema = json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)

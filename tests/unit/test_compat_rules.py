@@ -678,7 +678,7 @@ def test_invalid_yaml_message_and_line(tmp_path):
     path.write_text("schema_version: 1\ncuda: {a: 1\n  b: 2\n")
     with pytest.raises(ConfigError) as exc:
         load_knowledge_base(path)
-    assert str(exc.value) == f"{path}:3: invalid YAML: expected ',' or '}}', but got ':'"
+    assert str(exc.value) == f"{path}:3: malformed YAML: expected ',' or '}}', but got ':'"
     assert exc.value.line == 3
 
 
@@ -688,7 +688,7 @@ def test_unreadable_characters_have_no_line(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load_knowledge_base(path)
     assert exc.value.line is None and exc.value.file == str(path)
-    assert str(exc.value).startswith(f"{path}: invalid YAML: unacceptable character #x0007")
+    assert str(exc.value).startswith(f"{path}: malformed YAML: unacceptable character #x0007")
 
 
 def test_missing_file(tmp_path):

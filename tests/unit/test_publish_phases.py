@@ -19,7 +19,7 @@ from builder.errors import PublishError
 from builder.registry import phases, push
 from builder.registry.api import Manifest
 from builder.registry.credentials import Credentials
-from builder.registry.phases import PublishItem, PublishResult, Refs
+from builder.registry.phases import LongTagRecord, PublishItem, PublishResult, Refs
 from builder.registry.reference import Registry
 
 HOST = "127.0.0.1:5000"
@@ -697,3 +697,103 @@ def test_dry_run_raises_when_the_real_run_would_be_refused(world, tmp_path):
         f"[dry-run] {_short('qwen3-embed')} -> {b.image_id} (registry: no such tag) : would not move",
     ]
 
+
+
+# --------------------------------------------------------------------------- promote: the fan-in
+def _records(world: World, tmp_path, *images: str) -> list[LongTagRecord]:
+    """What each runner's long-only publish leaves: one record per variant."""
+    items = [world.item(image) for image in images]
+    results = world.publish(items, tmp_path, long_only=True)
+    assert [e for e in world.events if e[0] == "move"] == []  # long-only: no short tag moved
+    world.events.clear()
+    return [LongTagRecord(i.variant_id, i.image_id, i.repository, i.long_tag, i.short_tag, str(REGISTRY), r.digest)
+            for i, r in zip(items, results, strict=True)]
+
+
+def test_promote_verifies_every_long_tag_then_moves_the_short_tags(world, tmp_path):
+    records = _records(world, tmp_path, "minilm-embed", "qwen3-embed")
+    results = phases.promote(records, ["minilm-embed:cpu", "qwen3-embed:cpu"], REGISTRY,
+                             docker_config=str(tmp_path), log=world.log.append)
+    da, db = records[0].digest, records[1].digest
+    assert world.moves() == [
+        ("verify", "team/minilm-embed:1.0.0-cpu-abc123", da), ("verify", "team/qwen3-embed:1.0.0-cpu-abc123", db),
+        ("move", "team/minilm-embed:1.0-cpu"), ("verify", "team/minilm-embed:1.0-cpu", da),
+        ("move", "team/qwen3-embed:1.0-cpu"), ("verify", "team/qwen3-embed:1.0-cpu", db)]
+    assert results == [PublishResult("minilm-embed:cpu", (_short("minilm-embed"),), da, False),
+                       PublishResult("qwen3-embed:cpu", (_short("qwen3-embed"),), db, False)]
+    assert "all 2 long tags of the release verified; moving the short tags" in world.log
+    world.events.clear()
+    again = phases.promote(records, ["minilm-embed:cpu", "qwen3-embed:cpu"], REGISTRY, docker_config=str(tmp_path),
+                           log=world.log.append)
+    assert [r.skipped for r in again] == [True, True] and [e for e in world.events if e[0] == "move"] == []
+    assert world.registry.closed
+
+
+def test_promote_without_every_record_moves_nothing(world, tmp_path):
+    records = _records(world, tmp_path, "minilm-embed")
+    with pytest.raises(PublishError) as caught:
+        phases.promote(records, ["minilm-embed:cpu", "qwen3-embed:cpu", "chat:cpu"], REGISTRY,
+                       docker_config=str(tmp_path), log=world.log.append)
+    assert caught.value.message == ("no long-tag record for qwen3-embed:cpu, chat:cpu (its job failed or did not "
+                                    "publish); no short tag was moved")
+    assert world.events == [] and world.registry.digest("team/minilm-embed", "1.0-cpu") is None
+
+
+def test_promote_refuses_records_of_another_registry(world, tmp_path):
+    [record] = _records(world, tmp_path, "minilm-embed")
+    elsewhere = LongTagRecord(**{**record.to_json(), "registry": "10.0.0.1:5000"})
+    with pytest.raises(PublishError, match="records name registry 10.0.0.1:5000, not 127.0.0.1:5000/team"):
+        phases.promote([elsewhere], ["minilm-embed:cpu"], REGISTRY, docker_config=str(tmp_path))
+    assert world.events == []
+
+
+def test_promote_refuses_a_record_the_registry_no_longer_matches(world, tmp_path):
+    a, b = _records(world, tmp_path, "minilm-embed", "qwen3-embed")
+    forged = LongTagRecord(**{**b.to_json(), "image_id": a.image_id})  # b's long tag holds b, not a
+    with pytest.raises(PublishError) as caught:
+        phases.promote([a, forged], ["minilm-embed:cpu", "qwen3-embed:cpu"], REGISTRY, docker_config=str(tmp_path),
+                       log=world.log.append)
+    assert caught.value.message == (
+        f"qwen3-embed:cpu: {HOST}/team/qwen3-embed:1.0.0-cpu-abc123 = {b.digest} holds image {b.image_id}, not the "
+        f"smoke-tested {a.image_id}\n(no short tag was moved; verified long tags a re-run will skip: "
+        f"{_long('minilm-embed')})")
+    assert [e for e in world.events if e[0] == "move"] == []
+    moved_elsewhere = LongTagRecord(**{**b.to_json(), "digest": a.digest})  # the tag points at another digest
+    with pytest.raises(PublishError, match=f"points at {b.digest}, expected {a.digest}"):
+        phases.promote([moved_elsewhere], ["qwen3-embed:cpu"], REGISTRY, docker_config=str(tmp_path))
+
+
+def test_long_tag_records_read_back_and_refuse_anything_else():
+    record = LongTagRecord("a:cpu", _sha("image"), "mopt/a", "1.0.0", "1.0", "127.0.0.1:5000", _sha("m"))
+    assert LongTagRecord.from_json(json.loads(json.dumps(record.to_json())), "r.json") == record
+    assert record.item() == PublishItem("a:cpu", _sha("image"), "mopt/a", "1.0.0", "1.0")
+    for bad in ([], {}, {**record.to_json(), "extra": "x"}, {**record.to_json(), "digest": ""},
+                {**record.to_json(), "long_tag": 1}):
+        with pytest.raises(PublishError, match="r.json: not a long-tag record"):
+            LongTagRecord.from_json(bad, "r.json")
+
+
+def test_after_long_runs_for_every_item_between_the_phases_and_its_failure_moves_nothing(world, tmp_path):
+    a, b = world.item("minilm-embed"), world.item("qwen3-embed")
+    seen = []
+
+    def sign(item, refs, digest, api):
+        seen.append((item.variant_id, refs.long, digest, [e[0] for e in world.events].count("move")))
+
+    world.publish([a, b], tmp_path, after_long=sign)
+    da = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123")
+    db = world.registry.digest("team/qwen3-embed", "1.0.0-cpu-abc123")
+    assert seen == [("minilm-embed:cpu", _long("minilm-embed"), da, 0),
+                    ("qwen3-embed:cpu", _long("qwen3-embed"), db, 0)]
+
+    world.events.clear()
+    c = world.item("chat", long_tag="2.0.0", short_tag="2.0")
+
+    def refuse(item, refs, digest, api):
+        raise PublishError("signing failed")
+
+    with pytest.raises(PublishError) as caught:
+        world.publish([c], tmp_path, after_long=refuse)
+    assert caught.value.message == "chat:cpu: signing failed\n(no short tag was moved; verified long tags a re-run " \
+                                   f"will skip: {HOST}/team/chat:2.0.0)"
+    assert [e for e in world.events if e[0] == "move"] == []
