@@ -87,7 +87,17 @@ def test_a_deeply_nested_lock_or_bundle_is_refused(tmp_path):
     # Brackets inside strings are not nesting; a real lock still reads.
     lock.write_text(json.dumps({"schema": 1, "runtimes": {"k": {"note": "[[[[{{{{" * 100, "pins": [[1]]}}}))
     assert read_lock(lock)["runtimes"]["k"]["pins"] == [[1]]
+    (tmp_path / "a-dir.json").mkdir()
+    with pytest.raises(ConfigError, match=r"a-dir.json: cannot read: \[Errno 21\] Is a directory"):
+        read_lock(tmp_path / "a-dir.json")
     with pytest.raises(ConfigError, match="larger than 4 MiB"):
         parse_json_bounded(" " * (4 * 1024 * 1024 + 1), "bundle.json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         parse_json_bounded('{"a": 1', "bundle.json")
+
+
+def test_a_lock_reads_as_utf8_whatever_the_locale(tmp_path, ascii_locale):
+    lock = tmp_path / "mopt.lock.json"
+    lock.write_text(json.dumps({"schema": 1, "runtimes": {"k": {"note": "café"}}}, ensure_ascii=False),
+                    encoding="utf-8")
+    assert read_lock(lock)["runtimes"]["k"]["note"] == "café"

@@ -85,7 +85,7 @@ class FakeRegistry:
 
     def check_complete(self, repo: str, m: Manifest) -> None:
         children = [self.manifests[(repo, c["digest"])] for c in m.body.get("manifests", [])]
-        for one in children or [m]:
+        for one in children if "manifests" in m.body else [m]:
             for desc in [one.body["config"], *one.body["layers"]]:
                 if (repo, desc["digest"]) not in self.blobs:
                     raise PublishError(f"{repo}: blob {desc['digest']} referenced by manifest {one.digest} is missing")
@@ -797,3 +797,94 @@ def test_after_long_runs_for_every_item_between_the_phases_and_its_failure_moves
     assert caught.value.message == "chat:cpu: signing failed\n(no short tag was moved; verified long tags a re-run " \
                                    f"will skip: {HOST}/team/chat:2.0.0)"
     assert [e for e in world.events if e[0] == "move"] == []
+
+
+def test_long_only_results_and_what_the_copy_and_the_hook_are_given(world, tmp_path, monkeypatch):
+    copies, hooks = [], []
+    fake = phases.copy_image
+
+    def copy(image_id, ref, config_dir, *, insecure, log, redact=()):
+        copies.append((image_id, ref, config_dir, insecure))
+        return fake(image_id, ref, config_dir, insecure=insecure, log=log, redact=redact)
+
+    monkeypatch.setattr(phases, "copy_image", copy)
+    a = world.item("minilm-embed")
+    [result] = world.publish([a], tmp_path, long_only=True,
+                             after_long=lambda item, refs, digest, api: hooks.append(api))
+    digest = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123")
+    assert result == PublishResult("minilm-embed:cpu", (_long("minilm-embed"),), digest, False)
+    assert copies == [(a.image_id, _long("minilm-embed"), tmp_path, True)]  # the api's insecure: loopback
+    assert hooks == [world.registry]
+    assert "all 1 long tags verified; short tags left to `mopt promote`" in world.log
+
+
+def test_a_verified_manifest_gone_before_its_short_tag_moves_is_an_error(world, tmp_path):
+    a = world.item("minilm-embed")
+
+    def lose_it() -> None:
+        digest = world.registry.digest("team/minilm-embed", "1.0.0-cpu-abc123")
+        del world.registry.manifests[("team/minilm-embed", digest)]
+
+    world.registry.after_verify[("team/minilm-embed", "1.0.0-cpu-abc123")] = lose_it
+    with pytest.raises(PublishError) as caught:
+        world.publish([a], tmp_path)
+    assert caught.value.message.startswith(f"minilm-embed:cpu: {HOST}/team/minilm-embed@sha256:")
+    assert "vanished from the registry before" in caught.value.message
+    assert _short("minilm-embed") in caught.value.message
+
+
+def test_the_identity_error_names_every_config_or_none(world, tmp_path, monkeypatch):
+    a = world.item("minilm-embed")
+    repo = "team/minilm-embed"
+    x, y = world.docker.add_image("arm64 build"), world.docker.add_image("amd64 build")
+    children = [world.registry.store(repo, world.docker.body(i)) for i in (y, x)]
+    index = {"schemaVersion": 2, "mediaType": INDEX, "manifests": [{"digest": c} for c in children]}
+    # A copy that stored an index of two other images under the long tag.
+    monkeypatch.setattr(phases, "copy_image", lambda image_id, ref, config_dir, **kw: world.registry.put(
+        repo, "1.0.0-cpu-abc123", index))
+    with pytest.raises(PublishError) as caught:
+        world.publish([a], tmp_path)
+    digest = world.registry.digest(repo, "1.0.0-cpu-abc123")
+    assert f"= {digest} holds image {', '.join(sorted([x, y]))}, not the smoke-tested {a.image_id}" in \
+        caught.value.message
+    empty = {"schemaVersion": 2, "mediaType": INDEX, "manifests": []}
+    p = phases.PlannedItem(item=a, refs=phases.refs(a, REGISTRY), local=push.LocalImage(a.image_id, ()),
+                           remote_long=None, same_image=True, error=None)
+    none_digest = world.registry.put(repo, "empty", empty)
+    with pytest.raises(PublishError, match=r"holds image \(none\), not the smoke-tested"):
+        phases.verify_identity(world.registry, p, "empty", none_digest)
+
+
+def test_promote_uses_the_release_credentials_and_names_every_other_registry(world, tmp_path):
+    auth = base64.b64encode(b"ci:s3cret").decode()
+    (tmp_path / "config.json").write_text(json.dumps({"auths": {HOST: {"auth": auth}}}))
+    records = _records(world, tmp_path, "minilm-embed")
+    world.api_args.clear()
+    phases.promote(records, ["minilm-embed:cpu"], REGISTRY, docker_config=str(tmp_path), log=world.log.append)
+    assert world.api_args == [(REGISTRY, Credentials(str(tmp_path / "config.json"), "ci", "s3cret"), tmp_path, None)]
+    two = [LongTagRecord(**{**records[0].to_json(), "registry": r, "variant_id": v})
+           for r, v in (("10.0.0.1:5000", "a:cpu"), ("10.0.0.2:5000", "b:cpu"))]
+    with pytest.raises(PublishError, match="records name registry 10.0.0.1:5000, 10.0.0.2:5000, not"):
+        phases.promote(two, ["a:cpu", "b:cpu"], REGISTRY, docker_config=str(tmp_path))
+
+
+def test_a_short_tag_failing_in_promote_names_the_ones_moved(world, tmp_path):
+    a, b = _records(world, tmp_path, "minilm-embed", "qwen3-embed")
+    box = {}
+    world.registry.after_put[("team/qwen3-embed", "1.0-cpu")] = lambda: box.setdefault(
+        "digest", _other_image(world, "team/qwen3-embed", "1.0-cpu"))
+    with pytest.raises(PublishError) as caught:
+        phases.promote([a, b], ["minilm-embed:cpu", "qwen3-embed:cpu"], REGISTRY, docker_config=str(tmp_path),
+                       log=world.log.append)
+    exc = caught.value
+    assert exc.message == (f"qwen3-embed:cpu: {HOST}/team/qwen3-embed:1.0-cpu points at {box['digest']}, expected "
+                           f"{b.digest}\n(short tags already moved: minilm-embed:cpu)")
+    assert exc.failed == "qwen3-embed:cpu" and exc.long_verified == []
+    assert exc.published == [PublishResult("minilm-embed:cpu", (_short("minilm-embed"),), a.digest, False)]
+
+
+def test_a_record_error_names_the_expected_keys():
+    with pytest.raises(PublishError) as caught:
+        LongTagRecord.from_json({}, "r.json")
+    assert caught.value.message == ("r.json: not a long-tag record (expected the keys variant_id, image_id, "
+                                    "repository, long_tag, short_tag, registry, digest)")
