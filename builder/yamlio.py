@@ -66,38 +66,33 @@ def _check_expansion(root: yaml.Node, file: str) -> None:
     """Refuse a document whose aliases make it expand past MAX_VALUES values or MAX_DEPTH levels, or
     refer to themselves. Counted over the node graph (each node once, iteratively), so the check
     itself costs what the file holds, not what it expands to."""
-    size: dict[int, int] = {}
-    depth: dict[int, int] = {}
-    open_nodes: set[int] = set()
+    size: dict[int, int] = {}  # values, the node's own included
+    depth: dict[int, int] = {}  # collection levels, as _check_nesting counts them (a scalar: 0)
+    open_nodes: set[int] = set()  # started, not finished: an alias to one of them is a cycle
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, children_done = stack.pop()
         key = id(node)
-        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
-                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        collection = isinstance(node, (yaml.MappingNode, yaml.SequenceNode))
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if collection else []
         if children_done:
             open_nodes.discard(key)
             size[key] = 1 + sum(size[id(c)] for c in children)
-            depth[key] = 1 + max((depth[id(c)] for c in children), default=0)
+            depth[key] = 1 + max((depth[id(c)] for c in children), default=0) if collection else 0
             if size[key] > MAX_VALUES:
                 raise ConfigError(f"expands to more than {MAX_VALUES:,} values through anchors and aliases",
                                   file=file, line=node.start_mark.line + 1)
             if depth[key] > MAX_DEPTH:
                 raise ConfigError(f"nests deeper than {MAX_DEPTH} levels through anchors and aliases",
                                   file=file, line=node.start_mark.line + 1)
-            continue
-        if key in size:
-            continue
-        if key in open_nodes:
-            raise ConfigError("an alias refers to the value that contains it (a recursive structure)",
-                              file=file, line=node.start_mark.line + 1)
-        open_nodes.add(key)
-        stack.append((node, True))
-        for child in children:
-            if id(child) in open_nodes:
-                raise ConfigError("an alias refers to the value that contains it (a recursive structure)",
-                                  file=file, line=child.start_mark.line + 1)
-            if id(child) not in size:
+        elif key not in size:  # a node two aliases name is counted once
+            open_nodes.add(key)
+            stack.append((node, True))
+            for child in children:
+                if id(child) in open_nodes:
+                    raise ConfigError("an alias refers to the value that contains it (a recursive structure)",
+                                      file=file, line=child.start_mark.line + 1)
                 stack.append((child, False))
 
 

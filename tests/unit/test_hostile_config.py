@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from builder import yamlio
 from builder.errors import ConfigError
 from builder.lock import read_lock
 from builder.yamlio import MAX_DEPTH, MAX_VALUES, parse_json_bounded, parse_yaml, safe_load_bounded
@@ -101,3 +102,72 @@ def test_a_lock_reads_as_utf8_whatever_the_locale(tmp_path, ascii_locale):
     lock.write_text(json.dumps({"schema": 1, "runtimes": {"k": {"note": "café"}}}, ensure_ascii=False),
                     encoding="utf-8")
     assert read_lock(lock)["runtimes"]["k"]["note"] == "café"
+
+
+def _refusal(text: str) -> ConfigError | None:
+    try:
+        parse_yaml(text, "m.yaml")
+    except ConfigError as exc:
+        return exc
+    return None
+
+
+def test_the_bounds_are_exact_and_errors_name_file_and_line(monkeypatch):
+    """Small bounds (the module's own, patched) so each edge is cheap to reach."""
+    monkeypatch.setattr(yamlio, "MAX_DEPTH", 3)
+    monkeypatch.setattr(yamlio, "MAX_VALUES", 10)
+    # Nesting in the text: three collection levels pass (an empty innermost one too), four do not.
+    assert _refusal("a: [[1]]\n") is None and _refusal("a: [[]]\n") is None
+    exc = _refusal("k: 1\na:\n  - [[1]]\n")
+    assert (str(exc), exc.file, exc.line) == ("m.yaml:3: nests deeper than 3 levels", "m.yaml", 3)
+    # Nesting through aliases, counted the same way: the alias adds the levels it names.
+    assert _refusal("x: &x [1]\ny: [*x]\n") is None
+    exc = _refusal("x: &x [1]\ny:\n  - [*x]\n")
+    assert (str(exc), exc.line) == ("m.yaml:1: nests deeper than 3 levels through anchors and aliases", 1)
+    # Values: the root, keys, collections and scalars each count once per place they appear.
+    assert _refusal("a: [1, 2, 3, 4, 5, 6, 7]\n") is None  # 1 + 1 + 1 + 7 = 10
+    exc = _refusal("a: [1, 2, 3, 4, 5, 6, 7, 8]\n")
+    assert (str(exc), exc.line) == ("m.yaml:1: expands to more than 10 values through anchors and aliases", 1)
+    # [*s, *s, *s] is 1 + 3 x 3 = 10 values; b's list (from line 3) is 1 + 3 + 10: the first past the bound.
+    exc = _refusal("k: v\nb:\n  - &s [1, 2]\n  - [*s, *s, *s]\n")
+    assert str(exc).startswith("m.yaml:3: expands to more than 10 values") and exc.line == 3
+    exc = _refusal("k: v\nb: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n")  # the list alone is 11 values
+    assert exc.line == 2
+    # A cycle names the line of the value the alias refers to (PyYAML gives an alias its node's position).
+    exc = _refusal("k: v\na: &a\n  - 1\n  - *a\n")
+    assert (str(exc), exc.file, exc.line) == (
+        "m.yaml:2: an alias refers to the value that contains it (a recursive structure)", "m.yaml", 2)
+
+
+def test_a_value_named_twice_is_not_a_cycle():
+    doc = parse_yaml("a: &a [1]\nb: [*a, *a]\nc: *a\n", "m.yaml")
+    assert doc.data == {"a": [1], "b": [[1], [1]], "c": [1]}
+
+
+def test_json_bounds_are_exact_and_strings_do_not_nest(monkeypatch):
+    monkeypatch.setattr(yamlio, "MAX_DEPTH", 3)
+    assert parse_json_bounded("[[[1]]]", "l.json") == [[[1]]]
+    with pytest.raises(ConfigError) as caught:
+        parse_json_bounded('{"a": [[[1]]]}', "l.json")
+    assert (str(caught.value), caught.value.file) == ("l.json: nests deeper than 3 levels", "l.json")
+    # Brackets inside strings, escaped quotes included, are not nesting; closing ones do not hide depth.
+    assert parse_json_bounded('["[[[[", "\\"[[[[", "]]]]"]', "l.json") == ["[[[[", '"[[[[', "]]]]"]
+    with pytest.raises(ConfigError, match="nests deeper than 3 levels"):
+        parse_json_bounded('["]]]]]]", [[[1]]]]', "l.json")
+    assert parse_json_bounded('[["\\\\"], [[2]]]', "l.json") == [["\\"], [[2]]]  # an escaped backslash ends
+    monkeypatch.setattr(yamlio, "MAX_BYTES", 8)
+    assert parse_json_bounded('"123456"', "l.json") == "123456"  # 8 bytes: at the bound
+    with pytest.raises(ConfigError) as caught:
+        parse_json_bounded('"1234567"', "l.json")
+    assert (str(caught.value), caught.value.file) == ("l.json: larger than 0 MiB", "l.json")
+
+
+def test_an_oversized_yaml_file_is_refused_by_size(monkeypatch):
+    monkeypatch.setattr(yamlio, "MAX_BYTES", 8)
+    assert parse_yaml("a: 1234\n", "m.yaml").data == {"a": 1234}  # 8 bytes
+    with pytest.raises(ConfigError) as caught:
+        parse_yaml("a: 12345\n", "m.yaml")
+    assert (str(caught.value), caught.value.file) == ("m.yaml: larger than 0 MiB", "m.yaml")
+    monkeypatch.setattr(yamlio, "MAX_BYTES", 4 * 1024 * 1024)
+    with pytest.raises(ConfigError, match=r"^m.yaml: larger than 4 MiB$"):
+        parse_yaml("#" * (4 * 1024 * 1024 + 1), "m.yaml")
