@@ -171,3 +171,21 @@ def test_an_oversized_yaml_file_is_refused_by_size(monkeypatch):
     monkeypatch.setattr(yamlio, "MAX_BYTES", 4 * 1024 * 1024)
     with pytest.raises(ConfigError, match=r"^m.yaml: larger than 4 MiB$"):
         parse_yaml("#" * (4 * 1024 * 1024 + 1), "m.yaml")
+
+
+def test_depth_falls_back_when_a_collection_closes(monkeypatch):
+    """Siblings do not add up, and a collection's close takes off exactly its own level."""
+    monkeypatch.setattr(yamlio, "MAX_DEPTH", 3)
+    assert _refusal("a: [[1], [1]]\nb: [[1]]\n") is None
+    assert str(_refusal("a: [[1], [[1]]]\n")) == "m.yaml:1: nests deeper than 3 levels"
+    assert parse_json_bounded("[[1], [2]]", "l.json") == [[1], [2]]
+    with pytest.raises(ConfigError, match="nests deeper than 3 levels"):
+        parse_json_bounded("[[[1], [[1]]]]", "l.json")
+    # A string ending in an escaped backslash closes; what follows it nests as usual.
+    with pytest.raises(ConfigError, match="nests deeper than 3 levels"):
+        parse_json_bounded('["\\\\", [[[1]]]]', "l.json")
+    # Only brackets and braces nest: other characters outside strings neither add nor take off depth.
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_json_bounded("X" * 10, "l.json")
+    with pytest.raises(ConfigError, match="nests deeper than 3 levels"):
+        parse_json_bounded("X" * 10 + "[[[[1]]]]", "l.json")
