@@ -3,9 +3,9 @@
 Scenarios (each one a function returning a dict of figures; tests/integration/test_faults.py runs
 them a few times, this script runs them more and writes benchmarks/results/faults.json):
 
-- ``registry_killed``: the docker-registry process is SIGKILLed while ``docker push`` uploads a layer,
+- ``registry_killed``: the docker-registry process is SIGKILLed while the publish uploads a layer,
   then restarted on the same port and storage;
-- ``proxy``: docker and the publisher talk to a seeded fault proxy on 127.0.0.1 in front of the
+- ``proxy``: the publish (skopeo and the registry API) talks to a seeded fault proxy on 127.0.0.1 in front of the
   registry that answers 500 or 429 and drops connections at random;
 - ``wrong_credentials``: a config.json with a wrong password;
 - ``disk_full``: the registry's storage is an 8 MiB tmpfs and the image has a larger layer;
@@ -341,13 +341,12 @@ def _items(ids: list[str], long_suffix: str, short: str = "stable") -> list[Publ
 
 @contextmanager
 def _quick_retries(extra: int = 4):
-    saved = (push_mod.PUSH_RETRY_WAIT_S, push_mod.PUSH_EXTRA_ATTEMPTS, api_mod.HTTP_WAIT_MULTIPLIER_S)
-    push_mod.PUSH_RETRY_WAIT_S, push_mod.PUSH_EXTRA_ATTEMPTS, api_mod.HTTP_WAIT_MULTIPLIER_S = \
-        0.5, extra, 0.05
+    saved = (push_mod.COPY_RETRIES, api_mod.HTTP_WAIT_MULTIPLIER_S)
+    push_mod.COPY_RETRIES, api_mod.HTTP_WAIT_MULTIPLIER_S = extra, 0.05
     try:
         yield
     finally:
-        push_mod.PUSH_RETRY_WAIT_S, push_mod.PUSH_EXTRA_ATTEMPTS, api_mod.HTTP_WAIT_MULTIPLIER_S = saved
+        push_mod.COPY_RETRIES, api_mod.HTTP_WAIT_MULTIPLIER_S = saved
 
 
 def _publish(items, address, cfg, log) -> tuple[list, PublishError | None]:
@@ -380,7 +379,7 @@ def _old_then_new(bench: Bench, what: str, new_layers: list[bytes]) -> tuple[lis
 
 # --------------------------------------------------------------------------- scenarios
 def registry_killed(bench: Bench, rep: int) -> dict:
-    """SIGKILL docker-registry while `docker push` uploads a layer; restart it on the same port and storage."""
+    """SIGKILL docker-registry while the publish uploads a layer; restart it on the same port and storage."""
     started = time.monotonic()
     root = bench.tmp / f"killed-{rep}"
     reg = bench.registry(root, port=free_port())
@@ -464,7 +463,7 @@ def restart(reg: LocalRegistry) -> None:
 
 
 def proxy(bench: Bench, rep: int, budget: int | None = 4) -> dict:
-    """docker and the publisher reach the registry through a seeded fault proxy (500, 429, drops)."""
+    """The publish (skopeo and the registry API) reaches the registry through a seeded fault proxy (500, 429, drops)."""
     started = time.monotonic()
     reg = bench.registry(bench.tmp / f"proxy-{rep}")
     fp = FaultProxy(reg.port, seed=rep, p500=0.12, p429=0.12, pdrop=0.12, budget=budget)
@@ -542,7 +541,7 @@ def disk_full(bench: Bench, rep: int, push_timeout: float | None = None) -> dict
     """The registry's storage is an 8 MiB tmpfs; the new release has a 12 MiB incompressible layer.
 
     docker itself retries a failed layer upload 4 times (5+10+15+20 s of back-off) before it gives up;
-    ``push_timeout`` bounds each ``docker push`` instead (the tests use it to stay quick)."""
+    ``push_timeout`` bounds each copy to the registry instead (the tests use it to stay quick)."""
     started = time.monotonic()
     root = bench.tmp / f"disk-{rep}"
     data = root / "data"
@@ -556,13 +555,13 @@ def disk_full(bench: Bench, rep: int, push_timeout: float | None = None) -> dict
         items_old, items_new = _items(old_ids, "b1"), _items(new_ids, "b2")
         old, err = _publish(items_old, reg.address, cfg, Lines())
         assert err is None, err
-        saved = push_mod.PUSH_TIMEOUT_S
-        push_mod.PUSH_TIMEOUT_S = push_timeout or saved
+        saved = push_mod.COPY_TIMEOUT_S
+        push_mod.COPY_TIMEOUT_S = push_timeout or saved
         try:
             with _quick_retries(extra=0):
                 _, err = _publish(items_new, reg.address, cfg, Lines())
         finally:
-            push_mod.PUSH_TIMEOUT_S = saved
+            push_mod.COPY_TIMEOUT_S = saved
         assert err is not None and err.exit_code == 6, "a push to a full disk must fail"
         assert "no space left on device" in reg.log_path.read_text(errors="replace")
         view = RegistryView(reg)

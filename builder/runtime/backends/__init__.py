@@ -64,17 +64,18 @@ class BackendInfo:
     unpadded: bool = False  # drops the padding itself (vLLM packs sequences): calls are cut by row count only
     packed_input: bool = False  # compiles --input packed engines (one token stream per call: packed.py)
     # Devices where its packed graph takes a call of equal lengths as [sequences, length], with dense
-    # attention (torch.cond in the graph); elsewhere every call is one stream. Only where measured
-    # exact: AOTInductor on CUDA (torch 2.11) miscomputes a graph holding cond, though the exported
-    # graph is exact; torch-inductor's standalone artifact cannot save one ("no artifact to save").
-    # docs/performance.md, "Dense attention for uniform calls".
+    # attention (torch.cond in the graph); elsewhere every call is one stream. None today: the exported
+    # graph is exact, but AOTInductor miscompiles it (CUDA, torch 2.11: Qwen3 and BERT shapes; CPU,
+    # torch 2.13: the Qwen3 decoder, cosine 0.71-0.81, though MiniLM was exact), and torch-inductor's
+    # standalone artifact cannot save it ("no artifact to save"). docs/performance.md, "Dense
+    # attention for uniform calls".
     packed_dense: tuple[str, ...] = ()
 
 
 # The one place a backend is registered (the host side describes it in builder/data/backends/<name>.yaml).
 BACKENDS: dict[str, BackendInfo] = {
     "torch-aot": BackendInfo(module="torch_aot", own_server=False, version_is_torch=True, prepares=False,
-                             causal_attention=True, packed_input=True, packed_dense=("cpu",)),
+                             causal_attention=True, packed_input=True),
     "torch-inductor": BackendInfo(module="torch_inductor", own_server=False, version_is_torch=True, prepares=True,
                                   causal_attention=True, packed_input=True),
     # int8 and fp8 are TensorRT builder flags (fp16 kernels as the fallback).
