@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from .attest.signing import AttestInputs
+from .attest.provenance import AttestInputs
 from .build import Builder, BuildOptions
 from .errors import MoptError, PublishError, SmokeTestError
 from .hashing import dump_json, sha256_text
@@ -161,17 +161,16 @@ def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions
                 sign_key: Path | None = None) -> ReleaseReport:
     """Every step in one process holding the state dir's lock (statelock.py): a second build, test or
     publish on the same state dir waits for it. RECORD_DIR: publish long tags only, recorded there."""
-    load_matrix(Path(matrix_path))  # a broken matrix is reported at once, not after waiting for the lock
+    matrix = load_matrix(Path(matrix_path))  # a broken matrix is reported at once, not after the lock
     with state_lock(options.state.root, f"mopt {' + '.join(steps)}", log=_say):
-        return _run_release(matrix_path, select, options, steps=steps, registry=registry, dry_run=dry_run,
+        return _run_release(matrix, select, options, steps=steps, registry=registry, dry_run=dry_run,
                             fail_fast=fail_fast, allow_substitute=allow_substitute, record_dir=record_dir,
                             sign_key=sign_key)
 
 
-def _run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
+def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                  registry: str | None, dry_run: bool, fail_fast: bool, allow_substitute: bool,
                  record_dir: Path | None, sign_key: Path | None) -> ReleaseReport:
-    matrix = load_matrix(Path(matrix_path))
     full = make_plan(matrix)
     plan = make_plan(matrix, select) if select else full
     report = ReleaseReport(started=time.time(), steps=list(steps), registry=registry or "",
@@ -258,11 +257,10 @@ def run_promote(matrix_path: str, select: tuple[str, ...], registry: str, record
             records.append(record)
         else:
             _say(f"note: {path} is for {record.variant_id}, not a variant of this release; ignored")
-    seen: dict[str, Path] = {}
-    for record in records:
-        if record.variant_id in seen:
-            raise PublishError(f"two long-tag records for {record.variant_id}; no short tag was moved")
-        seen[record.variant_id] = record_dir
+    ids = [r.variant_id for r in records]
+    twice = sorted({v for v in ids if ids.count(v) > 1})
+    if twice:
+        raise PublishError(f"two long-tag records for {', '.join(twice)}; no short tag was moved")
     _say(f"promote {len(expected)} variants: {len(records)} long-tag records found")
     results = promote(records, expected, Registry.parse(registry), docker_config=docker_config, log=_say)
     by_id = {r.variant_id: r for r in records}

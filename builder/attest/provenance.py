@@ -8,6 +8,7 @@ import hashlib
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
@@ -19,6 +20,16 @@ SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
 CYCLONEDX = "https://cyclonedx.org/bom"
 BUILD_TYPE = "https://mopt.dev/build/v1"
 REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class AttestInputs:
+    """What a published image's provenance states about how it was made."""
+
+    variant: Variant
+    record: VariantRecord
+    state: StateDir
+    lock_file: Path | None
 
 
 def statement(subject_name: str, digest: str, predicate_type: str, predicate: dict) -> dict:

@@ -2,26 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..dockerclient import DockerCli
 from ..errors import PublishError, VerificationFailed
-from ..plan import Variant
 from ..registry.api import RegistryApi
-from ..state import StateDir, VariantRecord
 from . import dsse, referrers
-from .provenance import CYCLONEDX, SLSA_PROVENANCE, provenance, statement
+from .provenance import CYCLONEDX, SLSA_PROVENANCE, AttestInputs, provenance, statement
 from .sbom import sbom
 
 REQUIRED = {SLSA_PROVENANCE: "provenance", CYCLONEDX: "SBOM"}
-
-
-@dataclass(frozen=True)
-class AttestInputs:
-    variant: Variant
-    record: VariantRecord
-    state: StateDir
-    lock_file: Path | None
 
 
 def attest(api: RegistryApi, repo: str, name: str, digest: str, inputs: AttestInputs, key, docker: DockerCli,
