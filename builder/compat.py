@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
 
 from .axes import PACKAGE_AXES
 from .errors import ConfigError, IncompatibleError
@@ -186,12 +185,7 @@ def load_knowledge_base(path: str | Path | None = None) -> KnowledgeBase:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read the compatibility knowledge base: {exc}", file=file) from None
-    try:
-        data = safe_load_bounded(text, file)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise ConfigError(f"malformed YAML: {getattr(exc, 'problem', None) or exc}", file=file,
-                          line=mark.line + 1 if mark else None) from None
+    data = safe_load_bounded(text, file)
     schema = json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.path))))

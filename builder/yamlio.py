@@ -166,9 +166,10 @@ def compose_bounded(text: str, file: str) -> yaml.Node | None:
 
 
 def safe_load_bounded(text: str, file: str) -> Any:
-    """yaml.safe_load within the bounds (for files without a schema: compat.yaml, model cards)."""
+    """yaml.safe_load within the bounds (for files without a schema: compat.yaml, model cards); every
+    failure, a tag it cannot construct included, is one ConfigError."""
     compose_bounded(text, file)
-    return yaml.safe_load(text)
+    return _construct(text, file, yaml.SafeLoader)
 
 
 def parse_json_bounded(text: str, file: str) -> Any:
@@ -203,15 +204,18 @@ def parse_yaml(text: str, file: str) -> YamlDocument:
     _reject_duplicate_keys(node, file)
     lines: dict[KeyPath, int] = {}
     _compose_positions(node, (), lines)
+    return YamlDocument(_construct(text, file, _LineLoader), lines, file)
+
+
+def _construct(text: str, file: str, loader: type[yaml.SafeLoader]) -> Any:
     try:
-        data = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=loader)  # noqa: S506 - SafeLoader or a subclass
     except (yaml.YAMLError, ValueError, TypeError) as exc:  # a tag it cannot construct: !foo, !!int abc
         raise _malformed(exc, file) from None
     except Exception as exc:  # noqa: BLE001 - PyYAML's constructors fail in other ways too (!!bool maybe)
         detail = " ".join(str(exc).split())  # one line, whatever the exception printed
         raise ConfigError(f"malformed YAML: a value its tag cannot hold ({type(exc).__name__}: {detail})",
                           file=file) from None
-    return YamlDocument(data, lines, file)
 
 
 def load_yaml(path: Path | str, display: str | None = None) -> YamlDocument:

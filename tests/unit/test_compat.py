@@ -408,3 +408,16 @@ def test_full_stack_combo_ok_and_json_serialisable():
 
 def test_combo_is_hashable():
     assert hash(Combo(cuda="12.1", sm="86")) == hash(Combo(cuda="12.1", sm="86"))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("schema_version: 1\ncuda: !foo x\n", ":2: malformed YAML: could not determine a constructor for the tag '!foo'"),
+    ("schema_version: !!int abc\n", ": malformed YAML: invalid literal for int() with base 10: 'abc'"),
+    ("schema_version: !!bool maybe\n", ": malformed YAML: a value its tag cannot hold (KeyError: 'maybe')"),
+])
+def test_broken_kb_a_tag_it_cannot_construct_is_one_config_error(tmp_path, text, message):
+    path = tmp_path / "compat.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_knowledge_base(path)
+    assert str(exc.value) == f"{path}{message}" and exc.value.exit_code == 2

@@ -120,6 +120,8 @@ def test_a_locked_build_refuses_a_file_that_changed(tmp_path):
     ("---\nlicense: [mit, apache-2.0]\n---\n", None),  # not one id
     ("---\nlicense: 'mit\" onclick=x'\n---\n", None),  # never into a label as is
     ("---\n: : bad yaml [\n---\n", None),
+    ("---\nlicense: !foo mit\n---\n", None),  # a tag it cannot construct: no license, no traceback
+    ("---\nlicense: mit\nyear: !!int abc\n---\n", None),
 ])
 def test_the_license_comes_from_the_model_card(tmp_path, card, license_id):
     (tmp_path / "README.md").write_text(card)
