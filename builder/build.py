@@ -57,6 +57,18 @@ class BuildOptions:
 
 
 @dataclass(frozen=True)
+class RuntimeStages:
+    rendered: RenderedVariant
+    render_dir: Path
+    keys: dict[str, str]  # stage name -> its render key
+    base_ref: str  # what the base stage builds FROM (a digest reference on a locked build)
+    base: StageRecord
+    runtime: StageRecord
+    lock_files: dict[str, str]
+    lock_digest: str
+
+
+@dataclass(frozen=True)
 class BuildResult:
     variant_id: str
     image_id: str
@@ -196,8 +208,9 @@ class Builder:
         return "[global]\n" + "\n".join(lines) + "\n" if lines else ""
 
     # -- stages ---------------------------------------------------------------------------
-    def _base_image(self, variant: Variant) -> tuple[str, str]:
-        """(reference, image id) of the base the base stage builds FROM."""
+    def _base_image(self, variant: Variant, locked: dict | None) -> tuple[str, str]:
+        """(reference, image id) of the base the base stage builds FROM; a locked build takes a registry
+        base by the digest the lock recorded, so a tag moved since cannot change it."""
         spec = self.matrix.bases[variant.resolved["base"]["name"]]
         if spec.kind == "rootfs":
             image = base_module.ensure_base(
@@ -205,7 +218,8 @@ class Builder:
                                      suite=spec.suite, variant=spec.variant, mirror=spec.mirror),
                 self.state.bases, self.docker, log=lambda line: self.log("  " + line))
             return spec.image, image.image_id
-        ref = variant.resolved["base"]["ref"]
+        digests = (locked or {}).get("base", {}).get("repo_digests") or []
+        ref = digests[0] if digests else variant.resolved["base"]["ref"]
         info = self._inspect(ref)
         if info is None:
             result = run_docker(["pull", ref], docker=self.docker, check=False, timeout=900)
@@ -284,21 +298,23 @@ class Builder:
         return generate
 
     # -- one variant ----------------------------------------------------------------------
-    def build(self, variant: Variant) -> BuildResult:
-        start = time.monotonic()
-        self._check_disk()
-        entry = self.matrix.image(variant.image)
+    def render(self, variant: Variant) -> tuple[RenderedVariant, Path]:
+        """The variant's rendered files, written to its render dir in the state dir."""
         rendered = render_variant(self.matrix, variant, self.options.templates, self.runtime_digest,
                                   self.all_variants)
         render_dir = self.state.render_dir(variant.image, variant.tag)
         render_dir.mkdir(parents=True, exist_ok=True)
         for name, text in rendered.files.items():
             (render_dir / name).write_text(text, encoding="utf-8")
-        keys = {s["name"]: s["key"] for s in rendered.manifest["stages"]}
-        stages = []
+        return rendered, render_dir
 
-        base_ref, base_id = self._base_image(variant)
-        lock_files = self._lock_files(variant, render_dir, base_id)
+    def runtime(self, variant: Variant) -> RuntimeStages:
+        """The base and runtime stages (all mopt lock needs: it reads what the runtime image holds)."""
+        rendered, render_dir = self.render(variant)
+        keys = {s["name"]: s["key"] for s in rendered.manifest["stages"]}
+        locked = self._locked_entry(variant, render_dir)
+        base_ref, base_id = self._base_image(variant, locked)
+        lock_files = self._lock_files(variant, locked, base_id)
         lock_digest = sha256_text(*(f"{name}\n{text}" for name, text in sorted(lock_files.items())))
         base_context = self.state.contexts / f"base-{lock_digest[:16]}"
         self._write_context_lock(base_context, lock_files)
@@ -307,7 +323,6 @@ class Builder:
         base = self._stage(variant, "base", base_key, lambda tag: self._docker_build(
             variant, "base", render_dir / "Dockerfile.base", base_context, tag, base_key,
             {"BASE_IMAGE": base_ref}, {"io.mopt.base.id": base_id}))
-        stages.append(base)
 
         runtime_key = sha256_text(keys["runtime"], base.image_id, self._wheelhouse_digest(), lock_digest)
 
@@ -326,7 +341,16 @@ class Builder:
                 shutil.rmtree(context, ignore_errors=True)
 
         runtime = self._stage(variant, "runtime", runtime_key, build_runtime)
-        stages.append(runtime)
+        return RuntimeStages(rendered, render_dir, keys, base_ref, base, runtime, lock_files, lock_digest)
+
+    def build(self, variant: Variant) -> BuildResult:
+        start = time.monotonic()
+        self._check_disk()
+        entry = self.matrix.image(variant.image)
+        made = self.runtime(variant)
+        rendered, render_dir, keys, runtime = made.rendered, made.render_dir, made.keys, made.runtime
+        lock_files, lock_digest = made.lock_files, made.lock_digest
+        stages = [made.base, runtime]
 
         compiler = runtime
         if "toolchain" in keys:
@@ -416,12 +440,17 @@ class Builder:
                               f"{source.text}; run mopt lock --select '{variant.id}'")
         return client, choice, pinned
 
-    def _lock_files(self, variant: Variant, render_dir: Path, base_id: str) -> dict[str, str]:
-        """lock/ in the base and runtime contexts: empty unless --locked (then the pinned sets)."""
+    def _locked_entry(self, variant: Variant, render_dir: Path) -> dict | None:
+        """The lock's entry for this variant's runtime on a --locked build (a stale lock is an error)."""
         if self.options.lock_file is None:
+            return None
+        return lock_entry(read_lock(self.options.lock_file), self.options.lock_file, variant, render_dir)
+
+    def _lock_files(self, variant: Variant, entry: dict | None, base_id: str) -> dict[str, str]:
+        """lock/ in the base and runtime contexts: empty unless --locked (then the pinned sets)."""
+        if entry is None:
             return {}
         path = self.options.lock_file
-        entry = lock_entry(read_lock(path), path, variant, render_dir)
         base = entry.get("base", {})
         rootfs = base_module.load_base(self.state.bases, base.get("ref", "")) if base.get("kind") == "rootfs" \
             else None

@@ -325,17 +325,26 @@ def lock(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, 
          extra_index_url, models) -> None:
     """Pin bases by id, Python packages with hashes and Debian packages by version, per runtime (mopt.lock.json).
 
-    Builds what is not built yet, then reads the runtime images themselves."""
+    Builds each selected variant's runtime image (no engine compile) and reads it. A runtime that cannot be
+    built here (a base no registry here serves) gets a partial entry: the versions the plan resolved and
+    what is missing; a locked build refuses it until mopt lock runs where that runtime builds."""
     from .lock import make_lock
-    from .release import run_release
+    from .plan import make_plan
+    from .statelock import state_lock
 
     options = _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url, extra_index_url, models)
-    run_release(matrix_path, select, options, steps=("build",))
     matrix, result = _plan(matrix_path, select)
+    if not result.variants:
+        raise ConfigError("no planned variant matches --select; nothing to lock")
     path = _lock_path(matrix_path)
-    entries = make_lock(matrix, result.variants, options, path, log=click.echo)
-    click.echo(f"wrote {path}: {len(entries)} runtimes, {sum(len(e['python']) for e in entries.values())} Python "
-               f"and {sum(len(e['debian']) for e in entries.values())} Debian pins")
+    with state_lock(options.state.root, "mopt lock", log=click.echo):
+        entries = make_lock(matrix, result.variants, make_plan(matrix).variants, options, path, log=click.echo)
+    partial = {k: e for k, e in entries.items() if e.get("missing")}
+    click.echo(f"wrote {path}: {len(entries)} runtimes ({len(entries) - len(partial)} complete, {len(partial)} "
+               f"partial), {sum(len(e['python']) for e in entries.values())} Python and "
+               f"{sum(len(e['debian']) for e in entries.values())} Debian pins")
+    for entry in partial.values():
+        click.echo(f"  partial: {', '.join(entry['variants'])}: missing {'; '.join(entry['missing'])}")
 
 
 @cli.command("test")

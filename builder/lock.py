@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .dockerclient import DockerCli, run_docker
-from .errors import BuildError, ConfigError
+from .errors import BuildError, ConfigError, EnvironmentProblem, MoptError
 from .hashing import dump_json, sha256_text
 from .plan import Variant
 from .yamlio import parse_json_bounded
@@ -73,7 +73,24 @@ def lock_entry(lock: dict, lock_path: Path, variant: Variant, render_dir: Path) 
     if entry is None:
         raise ConfigError(f"{lock_path} is stale for {variant.id}: its base or runtime Dockerfile changed since "
                           f"mopt lock (lock key {key[:12]} not in the lock); run mopt lock --select '{variant.id}'")
+    if entry.get("missing"):
+        raise ConfigError(f"{lock_path} pins {variant.id} only partly (locked where its runtime could not be "
+                          f"built; missing: {'; '.join(entry['missing'])}); run mopt lock --select '{variant.id}' "
+                          "on a host that can build it")
     return entry
+
+
+def partial_entry(variant: Variant, base: dict, why: str) -> dict:
+    """What can be pinned without the runtime image: the versions the plan resolved and the base reference;
+    `missing` says what is not pinned and why. A locked build refuses it (lock_entry)."""
+    resolved = variant.resolved
+    pins = {name: resolved[name] for name in ("python", "cuda", "torch", "tensorrt", "tensorrt_llm", "vllm")
+            if resolved.get(name)}
+    missing = ["the Python packages' hashes and the Debian package versions: the runtime image was not built "
+               f"here ({why})"]
+    if base.get("kind") == "image" and not base.get("image_id"):
+        missing.append(f"the digest of base {base['ref']}: not present here")
+    return {"variants": [variant.id], "base": base, "pins": pins, "python": [], "debian": [], "missing": missing}
 
 
 def lock_runtime(docker: DockerCli, runtime_image: str, wheelhouse: list[Path], ca_bundle: Path | None) -> dict:
@@ -95,13 +112,19 @@ def lock_runtime(docker: DockerCli, runtime_image: str, wheelhouse: list[Path], 
     return {"python": python["python"], "debian": sorted(debian)}
 
 
-def write_lock(path: Path, entries: dict, previous: dict | None, models: dict | None = None) -> None:
+def write_lock(path: Path, entries: dict, previous: dict | None, models: dict | None = None) -> dict:
+    """Merge ENTRIES into the lock; a partial entry never replaces a complete one (locked on a host that
+    could build that runtime)."""
     runtimes = dict((previous or {}).get("runtimes", {}))
-    runtimes.update(entries)
+    for key, entry in entries.items():
+        if entry.get("missing") and key in runtimes and not runtimes[key].get("missing"):
+            continue
+        runtimes[key] = entry
     pinned = dict((previous or {}).get("models", {}))
     pinned.update(models or {})
     data = {"schema": 1, "runtimes": runtimes} | ({"models": pinned} if pinned else {})
     path.write_text(dump_json(data))
+    return runtimes
 
 
 def lock_model(recipe, cache: Path, log: Log) -> tuple[str, dict] | None:
@@ -120,39 +143,52 @@ def requirements_text(entry: dict) -> str:
     return "".join(line + "\n" for line in entry["python"])
 
 
-def make_lock(matrix, variants, options, path: Path, log: Log = print) -> dict:
-    """Lock every selected (built) variant's runtime and merge the entries into the lock file."""
+def make_lock(matrix, variants, all_variants, options, path: Path, log: Log = print) -> dict:
+    """Lock every selected variant's runtime and merge the entries into the lock file. Each runtime is
+    built up to its runtime stage (no engine compile: that needs the target GPU) and read; one that cannot
+    be built here (a base no registry here serves, an index out of reach) gets a partial entry that says
+    what is missing. Returns the entries written."""
     from .base import load_base
-    from .dockerclient import find_docker
+    from .build import Builder
 
-    docker = find_docker()
+    builder = Builder(matrix, all_variants, options, log=log)
     state = options.state
     wheels = [p for d in options.find_links for p in sorted(d.iterdir()) if p.suffix == ".whl"]
+    previous = read_lock(path) if path.is_file() else None
     entries: dict = {}
     models: dict = {}
     for variant in variants:
-        record = state.read_record(variant.image, variant.tag)
-        if record is None:
-            raise BuildError(f"{variant.id} is not built; nothing to lock")
-        if not record.model.substituted:  # a substitute stands in for a model this lock cannot pin
-            pin = lock_model(matrix.image(variant.image).recipe, state.models, log)
-            if pin is not None:
-                models[pin[0]] = pin[1]
-        key = lock_key(state.render_dir(variant.image, variant.tag))
+        _, render_dir = builder.render(variant)
+        key = lock_key(render_dir)
         if key in entries:
             entries[key]["variants"].append(variant.id)
             continue
         spec = matrix.bases[variant.resolved["base"]["name"]]
         base: dict = {"name": spec.name, "kind": spec.kind, "ref": variant.resolved["base"]["ref"]}
-        if spec.kind == "rootfs":
-            rootfs = load_base(state.bases, spec.image)
-            base["rootfs_sha256"] = rootfs.rootfs_sha256 if rootfs else ""
-        else:
-            info = json.loads(run_docker(["image", "inspect", base["ref"]], docker=docker).stdout)[0]
-            base["image_id"], base["repo_digests"] = info["Id"], info.get("RepoDigests", [])
-        runtime = record.stage("runtime")
-        log(f"locking {variant.id} (runtime {runtime.image_id[:19]})")
-        entries[key] = {"variants": [variant.id], "base": base,
-                        **lock_runtime(docker, runtime.image_id, wheels, options.ca_bundle)}
-    write_lock(path, entries, read_lock(path) if path.is_file() else None, models)
-    return entries
+        try:
+            made = builder.runtime(variant)
+            if spec.kind == "rootfs":
+                rootfs = load_base(state.bases, spec.image)
+                base["rootfs_sha256"] = rootfs.rootfs_sha256 if rootfs else ""
+            else:
+                info = json.loads(run_docker(["image", "inspect", made.base_ref], docker=builder.docker).stdout)[0]
+                base["image_id"], base["repo_digests"] = info["Id"], info.get("RepoDigests", [])
+            log(f"locking {variant.id} (runtime {made.runtime.image_id[:19]})")
+            entries[key] = {"variants": [variant.id], "base": base,
+                            **lock_runtime(builder.docker, made.runtime.image_id, wheels, options.ca_bundle)}
+        except (BuildError, EnvironmentProblem) as exc:
+            why = exc.message.splitlines()[0].removeprefix(f"{variant.id}: ")
+            log(f"locking {variant.id} partly: {why}")
+            entries[key] = partial_entry(variant, base, why)
+    for image in dict.fromkeys(v.image for v in variants):  # each recipe's hub model once
+        if options.models == "substitute":
+            break
+        try:
+            pin = lock_model(matrix.image(image).recipe, state.models, log)
+        except MoptError as exc:  # the hub out of reach, and no cached commit: the lock says so
+            log(f"note: {image}'s model is not pinned: {exc.message.splitlines()[0]}")
+            continue
+        if pin is not None:
+            models[pin[0]] = pin[1]
+    written = write_lock(path, entries, previous, models)
+    return {key: written[key] for key in entries}

@@ -25,13 +25,30 @@ def work(docker_cli, tmp_path_factory):
 
 def test_lock_pins_hashes_versions_and_base(work):
     lock = json.loads((work / "mopt.lock.json").read_text())
-    (entry,) = lock["runtimes"].values()
+    (entry,) = [e for e in lock["runtimes"].values() if VARIANT in e["variants"]]
     assert VARIANT in entry["variants"]
     torch = next(line for line in entry["python"] if line.startswith("torch=="))
     assert torch.startswith("torch==2.13.0+cpu --hash=sha256:") and len(torch.split("sha256:")[1]) == 64
     assert all(" --hash=sha256:" in line for line in entry["python"])
     assert any(line.startswith("python3.11=") for line in entry["debian"])
     assert entry["base"]["kind"] == "rootfs" and len(entry["base"]["rootfs_sha256"]) == 64
+
+
+def test_a_variant_that_cannot_be_built_here_is_locked_partly_and_a_locked_build_refuses_it(work):
+    cuda = "qwen3-embed:cu121-sm86"  # its nvidia/cuda base cannot be pulled on these machines
+    result = mopt("lock", "--select", VARIANT, "--select", cuda, cwd=work)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "2 runtimes (1 complete, 1 partial)" in result.stdout
+    assert f"partial: {cuda}: missing the Python packages' hashes" in result.stdout
+    lock = json.loads((work / "mopt.lock.json").read_text())
+    (partial,) = [e for e in lock["runtimes"].values() if cuda in e["variants"]]
+    assert partial["pins"]["tensorrt"] and partial["pins"]["cuda"] == "12.1" and partial["python"] == []
+    assert any("nvidia/cuda" in why for why in partial["missing"])
+    complete = [e for e in lock["runtimes"].values() if VARIANT in e["variants"]]
+    assert complete and all(not e.get("missing") and e["python"] for e in complete)
+    refused = mopt("build", "--locked", "--select", cuda, cwd=work)
+    assert refused.returncode == 2, refused.stderr[-1500:]
+    assert f"pins {cuda} only partly" in refused.stderr and "docker build ->" not in refused.stderr
 
 
 def test_locked_build_installs_exactly_the_lock(work):
@@ -42,7 +59,8 @@ def test_locked_build_installs_exactly_the_lock(work):
     docker = find_docker()
     frozen = subprocess.run([docker.path, "run", "--rm", "--entrypoint", "python", runtime, "-m", "pip", "freeze",
                              "--all"], capture_output=True, text=True, check=True).stdout.split()
-    (entry,) = json.loads((work / "mopt.lock.json").read_text())["runtimes"].values()
+    (entry,) = [e for e in json.loads((work / "mopt.lock.json").read_text())["runtimes"].values()
+                if VARIANT in e["variants"]]
     assert sorted(frozen) == sorted(line.split(" ")[0] for line in entry["python"])
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from builder.errors import ConfigError
-from builder.lock import lock_entry, lock_key, read_lock, requirements_text, write_lock
+from builder.lock import lock_entry, lock_key, partial_entry, read_lock, requirements_text, write_lock
 from builder.plan import Variant
 
 VARIANT = Variant(id="minilm-embed:cpu", image="minilm-embed", flavour="embed", backend="torch-inductor",
@@ -159,3 +159,54 @@ def test_write_lock_keeps_and_merges_model_pins(tmp_path):
 ])
 def test_requirements_text_is_one_pinned_line_each(python, text):
     assert requirements_text({"python": python, "debian": []}) == text
+
+
+# --------------------------------------------------------------------------- partial entries (not buildable here)
+CUDA_VARIANT = Variant(
+    id="qwen3-embed:cu121-sm86", image="qwen3-embed", flavour="embed", backend="tensorrt", device="cuda",
+    repository="mopt/qwen3-embed", tag="cu121-sm86", long_tag="x", axes={},
+    resolved={"python": "3.10", "cuda": "12.1", "torch": "2.5.1", "tensorrt": "10.14.1", "tensorrt_llm": None,
+              "vllm": None, "sm": "86"})
+CUDA_BASE = {"name": "nvidia-cuda", "kind": "image", "ref": "nvidia/cuda:12.1.1-runtime-ubuntu22.04"}
+
+
+def test_a_partial_entry_pins_the_planned_versions_and_says_what_is_missing():
+    entry = partial_entry(CUDA_VARIANT, dict(CUDA_BASE), "base image nvidia/cuda:12.1.1-runtime-ubuntu22.04 "
+                                                         "could not be pulled")
+    assert entry["pins"] == {"python": "3.10", "cuda": "12.1", "torch": "2.5.1", "tensorrt": "10.14.1"}
+    assert entry["python"] == [] and entry["debian"] == [] and entry["variants"] == [CUDA_VARIANT.id]
+    assert entry["missing"] == [
+        "the Python packages' hashes and the Debian package versions: the runtime image was not built here "
+        "(base image nvidia/cuda:12.1.1-runtime-ubuntu22.04 could not be pulled)",
+        "the digest of base nvidia/cuda:12.1.1-runtime-ubuntu22.04: not present here"]
+    present = partial_entry(CUDA_VARIANT, {**CUDA_BASE, "image_id": "sha256:" + "c" * 64}, "no GPU")
+    assert len(present["missing"]) == 1  # the base is here: only the runtime is missing
+
+
+def test_a_locked_build_refuses_a_partial_entry(tmp_path):
+    render_dir = _render(tmp_path / "render")
+    path = tmp_path / "mopt.lock.json"
+    lock = _lock(path, render_dir, partial_entry(CUDA_VARIANT, dict(CUDA_BASE), "no registry"))
+    with pytest.raises(ConfigError) as caught:
+        lock_entry(lock, path, CUDA_VARIANT, render_dir)
+    assert str(caught.value) == (
+        f"{path} pins qwen3-embed:cu121-sm86 only partly (locked where its runtime could not be built; missing: "
+        "the Python packages' hashes and the Debian package versions: the runtime image was not built here "
+        "(no registry); the digest of base nvidia/cuda:12.1.1-runtime-ubuntu22.04: not present here); run mopt "
+        "lock --select 'qwen3-embed:cu121-sm86' on a host that can build it")
+    assert caught.value.exit_code == 2
+
+
+def test_a_partial_entry_never_replaces_a_complete_one(tmp_path):
+    path = tmp_path / "mopt.lock.json"
+    key = lock_key(_render(tmp_path / "render"))
+    write_lock(path, {key: ENTRY}, None)
+    partial = partial_entry(VARIANT, dict(CUDA_BASE), "the index is out of reach")
+    written = write_lock(path, {key: partial}, read_lock(path))
+    assert written[key] == ENTRY and read_lock(path)["runtimes"][key] == ENTRY
+    # ...while a complete entry replaces a partial one, and a partial one fills a gap.
+    other = lock_key(_render(tmp_path / "other", **{"Dockerfile.runtime": "FROM base\nRUN pip install y\n"}))
+    write_lock(path, {other: partial}, read_lock(path))
+    assert read_lock(path)["runtimes"][other] == partial
+    write_lock(path, {other: ENTRY}, read_lock(path))
+    assert read_lock(path)["runtimes"][other] == ENTRY

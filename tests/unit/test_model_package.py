@@ -26,7 +26,8 @@ def _wheel(directory: Path, config: str = '{"hidden_size": 8}') -> str:
         wheel.writestr("tiny_model/__init__.py", "")
         wheel.writestr("tiny_model/model/config.json", config)
         wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: tiny-model\nVersion: 0.1.0\n")
-        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/WHEEL",
+                       "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{info}/RECORD", "")
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
