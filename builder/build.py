@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import base as base_module
 from . import hubs
+from .buildcache import CACHED_STAGES, RegistryCache
 from .dockerclient import DOCKER_ROOT, DockerCli, docker_free_gib, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
 from .hashing import sha256_text, tree_digest
@@ -50,6 +51,7 @@ class BuildOptions:
     gpus: bool = True  # request GPUs for cuda variants' compile step
     lock_file: Path | None = None  # build --locked: pip --require-hashes and apt name=version from this lock
     force: bool = False  # rebuild every stage without cache and recompile (verify-repro)
+    cache: RegistryCache | None = None  # BuildKit layer cache shared through a registry (buildcache.py)
 
     @property
     def state(self) -> StateDir:
@@ -170,8 +172,12 @@ class Builder:
         log = self._logfile(variant, stage)
         argv = [*self.docker.build_cmd()[1:], "--progress=plain", "-f", str(dockerfile), "-t", tag,
                 "--label", f"{KEY_LABEL}={key}"]
+        cache_ref = None
         if self.options.force:
             argv.append("--no-cache")
+        elif self.options.cache is not None and stage in CACHED_STAGES:
+            cache_ref = self.options.cache.ref(stage, variant.image, variant.tag)
+            argv += self.options.cache.build_args(self.docker, cache_ref)
         for name, value in {**labels}.items():
             argv += ["--label", f"{name}={value}"]
         for name, value in build_args.items():
@@ -197,6 +203,8 @@ class Builder:
         info = self._inspect(tag)
         if not info:
             raise BuildError(f"{variant.id}: {stage} stage built but {tag} is not in the daemon")
+        if cache_ref is not None:
+            self.options.cache.export(self.docker, info["Id"], cache_ref, log=self.log)  # type: ignore[union-attr]
         return info["Id"]
 
     def _pip_conf(self) -> str:

@@ -232,8 +232,10 @@ state_option = click.option("--state-dir", type=click.Path(file_okay=False, path
 
 def _build_options(state_dir: Path, matrix_path: str, ca_bundle: str | None, find_links: tuple[str, ...],
                    index_url: str | None, extra_index_url: tuple[str, ...], models: str, locked: bool = False,
-                   force: bool = False):
+                   force: bool = False, cache_registry: str | None = None):
     from .build import BuildOptions, default_ca_bundle, default_find_links
+    from .buildcache import RegistryCache
+    from .registry.credentials import docker_config_dir
 
     if ca_bundle == "none":
         ca = None
@@ -252,13 +254,20 @@ def _build_options(state_dir: Path, matrix_path: str, ca_bundle: str | None, fin
         raise ConfigError(f"--locked but {lock_file} does not exist (run mopt lock first)")
     return BuildOptions(state_dir=state_dir.resolve(), templates=Path(matrix_path).resolve().parent / "templates",
                         ca_bundle=ca, find_links=links, pip_index_url=index_url,
-                        pip_extra_index_urls=tuple(extra_index_url), models=models, lock_file=lock_file, force=force)
+                        pip_extra_index_urls=tuple(extra_index_url), models=models, lock_file=lock_file, force=force,
+                        cache=RegistryCache.parse(cache_registry, docker_config_dir()) if cache_registry else None)
 
 
 def _lock_path(matrix_path: str) -> Path:
     from .lock import LOCK_FILE
 
     return Path(matrix_path).resolve().parent / LOCK_FILE
+
+
+cache_registry_option = click.option(
+    "--cache-registry", metavar="HOST[:PORT][/NAMESPACE]", envvar="MOPT_CACHE_REGISTRY", show_envvar=True,
+    help="Share BuildKit's layer cache of the base, runtime and toolchain stages through this registry "
+         "(<registry>/mopt-cache:<stage>-<image>-<tag>; inline cache with Engine 20.10, registry cache with buildx).")
 
 
 def hermetic_options(fn):
@@ -307,13 +316,15 @@ def base(matrix_path: str, names: tuple[str, ...], state_dir: Path) -> None:
 @state_option
 @hermetic_options
 @click.option("--locked", is_flag=True, help="Install exactly what mopt.lock.json pins (fails when it is stale).")
+@cache_registry_option
 def build(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
-          extra_index_url, models, locked: bool) -> None:
+          extra_index_url, models, locked: bool, cache_registry: str | None) -> None:
     """Build the selected variants: runtime image, engine compiled in it, final image."""
     from .release import run_release
 
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
-                                                    extra_index_url, models, locked), steps=("build",))
+                                                    extra_index_url, models, locked, cache_registry=cache_registry),
+                steps=("build",))
 
 
 @cli.command()
@@ -405,15 +416,17 @@ def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @click.option("--locked", is_flag=True, help="Build exactly what mopt.lock.json pins (fails when it is stale).")
 @sign_key_option
 @allow_substitute_option
+@cache_registry_option
 def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
             extra_index_url, models, registry: str | None, fail_fast: bool, locked: bool, sign_key: Path | None,
-            allow_substitute: bool) -> None:
+            allow_substitute: bool, cache_registry: str | None) -> None:
     """plan -> build -> test -> publish, keep-going, with a JSON + Markdown report."""
     from .release import run_release
 
     steps = ("build", "test", "publish") if registry else ("build", "test")
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url,
-                                                    extra_index_url, models, locked),
+                                                    extra_index_url, models, locked,
+                                                    cache_registry=cache_registry),
                 steps=steps, registry=registry, fail_fast=fail_fast, allow_substitute=allow_substitute,
                 sign_key=sign_key)
 
