@@ -1,9 +1,10 @@
 """BuildKit's layer cache shared through a real authenticated registry (--cache-registry).
 
 The real Builder builds the minilm-embed:cpu runtime stage (Engine 20.10's built-in BuildKit: an
-inline cache, exported by id with skopeo) with one more RUN step whose output is random. That step's
-local cache records are then deleted and its image removed, so only the registry can supply the
-layer: rebuilt with the cache, the random bytes come back unchanged; without it they differ."""
+inline cache, exported by id with skopeo) with one more RUN step whose output is random. The cache
+records BuildKit made since the test began are then deleted and the stage image removed, so only the
+registry can supply the layer: rebuilt with the cache, the random bytes come back unchanged; without
+it (the control) they differ."""
 from __future__ import annotations
 
 import json
@@ -28,14 +29,20 @@ VARIANT = "minilm-embed:cpu"
 CHECK_FILE = "/etc/mopt-cache-test"
 
 
-def _drop_local_cache(docker, token: str) -> int:
-    """Delete BuildKit's cache records of the step that names TOKEN (and nothing else)."""
+def _cache_records() -> dict[str, str]:
+    """BuildKit's cache records on the daemon: id -> type."""
     raw = subprocess.run(["curl", "-s", "--unix-socket", "/var/run/docker.sock", "http://localhost/system/df"],
                          capture_output=True, text=True, check=True, timeout=60).stdout
-    ids = [r["ID"] for r in json.loads(raw).get("BuildCache") or [] if token in (r.get("Description") or "")]
-    for cache_id in ids:
+    return {r["ID"]: r.get("Type", "") for r in json.loads(raw).get("BuildCache") or []}
+
+
+def _drop_local_cache(docker, before: set[str]) -> int:
+    """Delete the layer records BuildKit made since BEFORE (this test's steps, and what a cache import
+    brought in); cache mounts (pip's and apt's caches) stay."""
+    made = [i for i, kind in _cache_records().items() if i not in before and kind != "exec.cachemount"]
+    for cache_id in made:
         run_docker(["builder", "prune", "-f", "--filter", f"id={cache_id}"], docker=docker, timeout=120)
-    return len(ids)
+    return len(made)
 
 
 def _random_bytes(docker, image: str) -> str:
@@ -49,6 +56,7 @@ def test_a_stage_layer_comes_back_from_the_registry_cache(docker_cli, tmp_path, 
         config = tmp_path / "docker-config"
         docker_login(reg.address, reg.user, reg.password, config_dir=config)
         monkeypatch.setenv("DOCKER_CONFIG", str(config))  # BuildKit reads the cache with these credentials
+        (tmp_path / "work").mkdir()
         work = copy_matrix(tmp_path / "work")
         matrix = load_matrix(work / "matrix.yaml")
         plan = make_plan(matrix)
@@ -62,6 +70,7 @@ def test_a_stage_layer_comes_back_from_the_registry_cache(docker_cli, tmp_path, 
         lines: list[str] = []
         builder = Builder(matrix, plan.variants, options, log=lines.append, docker=docker_cli)
         stage_tag = ""
+        before = set(_cache_records())
         try:
             first = builder.runtime(variant).runtime
             assert not first.skipped
@@ -80,8 +89,9 @@ def test_a_stage_layer_comes_back_from_the_registry_cache(docker_cli, tmp_path, 
             original = _random_bytes(docker_cli, first.image_id)
 
             def rebuilt(with_cache: bool) -> str:
-                assert _drop_local_cache(docker_cli, token) >= 1
-                run_docker(["rmi", first.image], docker=docker_cli, check=False)
+                run_docker(["rmi", first.image], docker=docker_cli)  # first: an image keeps its records
+                assert _drop_local_cache(docker_cli, before) >= 1
+                assert not [i for i, kind in _cache_records().items() if i not in before and kind != "exec.cachemount"]
                 again = Builder(matrix, plan.variants, options if with_cache else
                                 BuildOptions(state_dir=STATE, templates=work / "templates",
                                              ca_bundle=default_ca_bundle(), find_links=default_find_links()),
@@ -92,6 +102,6 @@ def test_a_stage_layer_comes_back_from_the_registry_cache(docker_cli, tmp_path, 
             assert rebuilt(with_cache=True) == original  # the layer came from the registry
             assert rebuilt(with_cache=False) != original  # the control: without it the step runs again
         finally:
-            _drop_local_cache(docker_cli, token)
             if stage_tag:  # this test's own runtime stage (its template is unique)
                 run_docker(["rmi", stage_tag], docker=docker_cli, check=False)
+            _drop_local_cache(docker_cli, before)
