@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
 from builder.cli import cli
 
@@ -74,6 +75,17 @@ def test_release_fans_out_long_tags_and_fans_in_to_one_promote():
     # The state dir outlives the workspace (actions/checkout cleans it): engines are not recompiled.
     assert jobs["build-test-publish"]["env"]["MOPT_STATE_DIR"].startswith("${{ vars.MOPT_RUNNER_STATE_DIR")
     assert "--format markdown" in runs["plan"]
+
+
+def test_release_shares_the_layer_cache_and_can_build_locked():
+    release = yaml.safe_load((REPO / ".github/workflows/release.yml").read_text())
+    (build,) = [s for s in release["jobs"]["build-test-publish"]["steps"] if "mopt release" in s.get("run", "")]
+    assert build["env"]["MOPT_CACHE_REGISTRY"] == "${{ vars.MOPT_CACHE_REGISTRY }}"
+    assert build["env"]["LOCKED"] == "${{ inputs.locked && '--locked' || '' }}" and "$LOCKED" in build["run"]
+    assert release[True]["workflow_dispatch"]["inputs"]["locked"]["type"] == "boolean"  # YAML 1.1 reads `on` as True
+    # The variable the step sets is the one the CLI reads.
+    res = CliRunner().invoke(cli, ["release", "--help"])
+    assert "env var: MOPT_CACHE_REGISTRY" in res.output
 
 
 def test_third_party_actions_are_pinned_by_commit():
