@@ -112,3 +112,22 @@ def test_guard_knows_every_tag_of_the_flavour(planned):
     variant = next(v for v in plan.variants if v.id == "qwen3-embed:cu128-sm90-aot")
     info = render_variant(matrix, variant, repo / "templates", "0" * 64, plan.variants).files["image-info.json"]
     assert '"86": "cu128-sm86-aot"' in info and '"120": "cu128-sm120-aot"' in info
+
+
+def test_no_pip_step_adds_an_index_where_one_index_serves_it(planned):
+    """torch's CUDA builds come from PyTorch's index as the step's only index (--index-url): an extra index
+    lets a same-named package on another index win. Only NVIDIA's wheels, whose PyPI entries are source
+    stubs that fetch from NVIDIA's index, keep an extra index (every plan's runtime checked)."""
+    repo, matrix, plan = planned
+    seen_torch = seen_nvidia = 0
+    for variant in plan.variants:
+        runtime = render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST,
+                                 plan.variants).files["Dockerfile.runtime"]
+        for line in runtime.splitlines():
+            if "download.pytorch.org" in line:
+                assert "--index-url https://download.pytorch.org/whl/cu" in line and "--extra-index" not in line, line
+                seen_torch += 1
+            if "--extra-index-url" in line:
+                assert "--extra-index-url https://pypi.nvidia.com " in line, line
+                seen_nvidia += 1
+    assert seen_torch and seen_nvidia  # both kinds were rendered
