@@ -683,17 +683,18 @@ def _insert_at(lines: list[str], table: tuple[str, str]) -> tuple[int, str]:
                                        if lines[i][:1] not in ("", " ", "#", "\n")), len(lines))) < header:
         raise ConfigError(f"no `{'.'.join(table)}:` block in the knowledge base; cannot place a row")
     base = len(lines[header]) - len(lines[header].lstrip())
-    last, indent = header, " " * (base + 2)
+    last, indent = header, None
     for i in range(header + 1, nxt):
         stripped = lines[i].strip()
         if not stripped or stripped.startswith("#"):
             continue
-        if len(lines[i]) - len(lines[i].lstrip()) <= base:
-            break
-        if stripped.startswith("- "):
-            indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+        depth = len(lines[i]) - len(lines[i].lstrip())
+        if depth < base or (depth == base and not stripped.startswith("- ")):  # PyYAML puts items at the key's
+            break                                                                # own indent
+        if stripped.startswith("- ") and indent is None:  # the first item's indent; later ones may be nested
+            indent = lines[i][:depth]
         last = i
-    return last + 1, indent
+    return last + 1, indent if indent is not None else " " * (base + 2)
 
 
 def write_rows(report: Report, kb_path: Path | None = None, today: str | None = None) -> Report:
