@@ -574,6 +574,11 @@ def _range_major(text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _cites_the_index(run: _Run, spec: PackageSpec, row: Mapping[str, Any]) -> bool:
+    refs = [ref.strip() for ref in str(row.get("source", "")).split(";")]
+    return any(ref.split(" ")[0] == spec.source or ref.startswith(run.client.base_url) for ref in refs)
+
+
 def _check_tensorrt(run: _Run, specs: list[PackageSpec], docs: Mapping[str, dict]) -> None:
     """TensorRT releases -> the CUDA majors of their tensorrt-cuNN packages, against tensorrt.cuda_builds.
     No per-version request: the package names (in each project document's release list) are the data."""
@@ -607,8 +612,8 @@ def _check_tensorrt(run: _Run, specs: list[PackageSpec], docs: Mapping[str, dict
                     f"{', '.join(map(str, cu))} ({names}).", row, True)
             continue
         row = rows[0]
-        if row.get("proposed"):
-            continue
+        if row.get("proposed") or _cites_the_index(run, meta_spec, row):
+            continue  # written from these very package names: they cannot confirm more than the row says
         for m in cu:
             confirmed = [c for c in row["cuda"] if _range_major(c) == m]
             pending = [c for c in row.get("cuda_unconfirmed", []) if _range_major(c) == m]

@@ -173,6 +173,17 @@ def test_unconfirmed_rows_the_metadata_confirms(index, tmp_path):
     assert ("tensorrt", "10.16.1") not in confirms and ("vllm", "0.32.0") not in confirms
 
 
+def test_a_row_written_from_the_index_is_not_reported_as_confirmable(index, tmp_path):
+    """Rows sourced from the tensorrt-cuNN names themselves keep the minors unconfirmed: the names cannot
+    confirm more, so they are no finding (a row from release notes with the same marks is one)."""
+    rows = [{"tensorrt": "11.0", "cuda": [], "cuda_unconfirmed": ["12", "13"], "source": src}
+            for src in ("PYPI-TRT tensorrt-cu12 and tensorrt-cu13 11.0.0.114", "TRT-MATRIX")]
+    for row, expected in zip(rows, ([], ["11.0.0", "11.0.0"]), strict=True):
+        report = kbcheck.check(make_kb(tmp_path / "kb.yaml", **{"tensorrt.cuda_builds": [
+            row, *TABLES[("tensorrt", "cuda_builds")][:3]]}), index.url)
+        assert [f.version for f in findings(report, "confirms", "tensorrt")] == expected
+
+
 def test_per_version_documents_only_where_needed_and_a_404_is_a_note(index, tmp_path):
     report = kbcheck.check(make_kb(tmp_path / "kb.yaml"), index.url)
     per_version = sorted(p for p in index.paths if p.count("/") == 4)
