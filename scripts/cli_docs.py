@@ -60,14 +60,25 @@ def _click_value(param: click.Option) -> str:
     return param.metavar or param.type.name.upper()
 
 
+def _commands(group: click.Group, ctx: click.Context, prefix: str = "") -> list[tuple[str, click.Command]]:
+    """Every command, a group's subcommands under "group sub" (mopt kb check)."""
+    out = []
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        if isinstance(command, click.Group):
+            out += _commands(command, click.Context(command, parent=ctx, info_name=name), f"{prefix}{name} ")
+        else:
+            out.append((prefix + name, command))
+    return out
+
+
 def host_section(env: dict[str, dict]) -> list[str]:
     ctx = click.Context(cli, info_name="mopt")
     lines = ["## Host: `mopt`", "", _cell(cli.help), "",
              "Run `mopt COMMAND --help` for the same text. Exit codes: 0 ok, 2 bad input, 3 incompatible "
              "combination, 4 build failed, 5 smoke test failed, 6 publish failed, 7 host problem, 8 verification "
-             "failed (mopt verify).", ""]
-    for name in cli.list_commands(ctx):
-        command = cli.get_command(ctx, name)
+             "failed (mopt verify), 9 package index offline or unusable (mopt kb check).", ""]
+    for name, command in _commands(cli, ctx):
         lines += [f"### `mopt {name}`", "", _cell(command.help or ""), "",
                   "| option | value | default | environment | what it does |", "| --- | --- | --- | --- | --- |"]
         for param in command.params:

@@ -297,7 +297,7 @@ def test_trt_11_unconfirmed_row_warns_not_rejects():
 
 
 def test_unknown_trt_rejected():
-    _bad("TensorRT 10.2 is unknown to the compatibility knowledge base", cuda="12.4", tensorrt="10.2")
+    _bad("TensorRT 9.3 is unknown to the compatibility knowledge base", cuda="12.4", tensorrt="9.3")
 
 
 # ------------------------------------------------------------------------------ TensorRT-LLM

@@ -282,16 +282,27 @@ def test_tensorrt_unconfirmed_cuda_build():
 
 
 def test_tensorrt_confirmed_row_without_builds():
-    kb = _edited(lambda d: _row(d, ("tensorrt", "cuda_builds"), "tensorrt", ">=11,<11.3").pop("confirmed"))
-    assert _verdict(kb, cuda="12.9", tensorrt="11.0")[0] == (
-        "TensorRT 11.0 has no build for CUDA 12.9 (builds: CUDA none sourced) (source: TRT-MATRIX).",)
+    kb = _edited(lambda d: _row(d, ("tensorrt", "cuda_builds"), "tensorrt", ">=11.5,<12").pop("confirmed"))
+    assert _verdict(kb, cuda="12.9", tensorrt="11.5")[0] == (
+        "TensorRT 11.5 has no build for CUDA 12.9 (builds: CUDA none sourced) (source: TRT-MATRIX).",)
+
+
+def test_tensorrt_builds_known_by_major_only_warn_and_reject_other_majors():
+    """TensorRT 11.0-11.2 and 11.4: the tensorrt-cu12/-cu13 wheels give the CUDA majors (kb check)."""
+    src = ("(source: PYPI-TRT tensorrt-cu12 and tensorrt-cu13 11.4.0.106 (pypi.org JSON API, read 2026-12-02); "
+           "TRT-RN 10.13.2)")
+    assert _verdict(cuda="13.0", tensorrt="11.4") == ((), (
+        f"UNCONFIRMED: TensorRT 11.4 build for CUDA 13.0 is not confirmed {src}.",))
+    assert _verdict(cuda="11.8", tensorrt="11.4")[0] == (
+        f"TensorRT 11.4 has no build for CUDA 11.8 (builds: CUDA none sourced) {src}.",)
 
 
 def test_tensorrt_unconfirmed_row_warns_and_checks_no_cuda():
-    note = "UNCONFIRMED: TensorRT 11.0: TensorRT 11.x other than 11.3: CUDA builds UNCONFIRMED (source: TRT-MATRIX)."
-    assert _verdict(cuda="12.9", tensorrt="11.0", sm="86") == ((), (note,))
-    assert _verdict(cuda="12.9", tensorrt="11.0", sm="70") == ((), (note, (
-        "UNCONFIRMED: TensorRT 11.0 needs sm >= 75 (compute capability 7.5); sm_70 is not supported (TensorRT 11.x "
+    note = ("UNCONFIRMED: TensorRT 11.5: TensorRT 11.5 and later 11.x: not on the index yet, CUDA builds UNCONFIRMED "
+            "(source: TRT-MATRIX).")
+    assert _verdict(cuda="12.9", tensorrt="11.5", sm="86") == ((), (note,))
+    assert _verdict(cuda="12.9", tensorrt="11.5", sm="70") == ((), (note, (
+        "UNCONFIRMED: TensorRT 11.5 needs sm >= 75 (compute capability 7.5); sm_70 is not supported (TensorRT 11.x "
         "SM floor UNCONFIRMED (10.x floor assumed)) (source: TRT-MATRIX)." + NOT_ENFORCED)))
 
 
@@ -334,8 +345,8 @@ def test_sm_rules_without_notes():
 
 
 def test_unknown_tensorrt():
-    assert _verdict(cuda="12.4", tensorrt="10.2") == ((
-        f"TensorRT 10.2 is unknown to the compatibility knowledge base ({_kb_path()}, tensorrt.cuda_builds); add a "
+    assert _verdict(cuda="12.4", tensorrt="9.3") == ((
+        f"TensorRT 9.3 is unknown to the compatibility knowledge base ({_kb_path()}, tensorrt.cuda_builds); add a "
         f"row with its source if it is real.",), ())
 
 
@@ -378,9 +389,12 @@ def test_trtllm_implied_versions_are_checked():
 
 
 def test_trtllm_implied_tensorrt_unknown_only_warns():
-    assert _verdict(tensorrt_llm="0.20") == ((), (
-        f"TensorRT 10.10.0 is unknown to the compatibility knowledge base ({_kb_path()}, tensorrt.cuda_builds); add "
-        f"a row with its source if it is real. It was implied by another pin, so it is not checked further.",
+    # TensorRT 10.10.0 has a row since kb check found its wheels on pypi.org: without that row it is unknown
+    table = ("tensorrt", "cuda_builds")
+    kb = _edited(lambda d: d["tensorrt"]["cuda_builds"].remove(_row(d, table, "tensorrt", "10.10.0")))
+    assert _verdict(kb, tensorrt_llm="0.20") == ((), (
+        "TensorRT 10.10.0 is unknown to the compatibility knowledge base (edited/compat.yaml, tensorrt.cuda_builds); "
+        "add a row with its source if it is real. It was implied by another pin, so it is not checked further.",
         "torch 2.7.0 has no CUDA 12.9 build (PyPI default CUDA 12.6; download.pytorch.org variants: 11.8, 12.6, 12.8) "
         "(source: PYPI-TORCH; TORCH-IDX). torch 2.7.0 is implied by the TensorRT-LLM 0.20 pin, whose releases ship "
         "their own torch build, so this is not enforced."))
@@ -619,7 +633,7 @@ def test_load_default_and_given_path(tmp_path):
 
 def test_kb_is_read_as_utf8_whatever_the_locale(tmp_path, ascii_locale):
     note = "TensorRT-LLM 1.2 pins – UNCONFIRMED"
-    kb = load_knowledge_base(_write(tmp_path, lambda d: _row(d, ("tensorrt_llm", "pins"), "tensorrt_llm", "1.2")
+    kb = load_knowledge_base(_write(tmp_path, lambda d: _row(d, ("tensorrt_llm", "pins"), "tensorrt_llm", "1.2.0")
                                     .update(note=note)))
     assert _verdict(kb, tensorrt_llm="1.2")[1] == (f"UNCONFIRMED: TensorRT-LLM 1.2: {note} "
                                                    f"(source: TRTLLM-RN; TRTLLM-REQ).",)
@@ -639,7 +653,7 @@ def test_sources_may_be_urls(tmp_path, source):
     (lambda d: d["vllm"]["torch_pins"][0].update(vllm="0.6-"),
      "vllm.torch_pins[0].vllm: bad span '0.6-' in version range '0.6-' (write e.g. 12.0-12.8)"),
     # a row without the middle key still has its later keys checked
-    (lambda d: _row(d, ("tensorrt_llm", "pins"), "tensorrt_llm", "1.2").update(torch="2.9-2.1"),
+    (lambda d: _row(d, ("tensorrt_llm", "pins"), "tensorrt_llm", "1.2.0").update(torch="2.9-2.1"),
      "tensorrt_llm.pins[6].torch: empty span '2.9-2.1' in version range '2.9-2.1': 2.9 > 2.1"),
 ], ids=["scheme", "second-reference", "range", "after-missing-key"])
 def test_semantic_errors_name_file_and_key(tmp_path, edit, message):

@@ -25,7 +25,7 @@ def validate(paths) -> subprocess.CompletedProcess:
 
 
 def test_workflows_exist():
-    assert {p.name for p in WORKFLOWS} == {"ci.yml", "release.yml"}
+    assert {p.name for p in WORKFLOWS} == {"ci.yml", "kb-check.yml", "release.yml"}
 
 
 def test_workflows_match_the_schema():
@@ -94,3 +94,17 @@ def test_third_party_actions_are_pinned_by_commit():
             for step in job.get("steps", []):
                 if "uses" in step:
                     assert re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", step["uses"]), (path.name, step["uses"])
+
+
+def test_kb_check_runs_weekly_and_on_demand_into_the_job_summary():
+    """The scheduled knowledge-base check: a weekly cron and a manual trigger, read-only, its Markdown
+    findings appended to the job summary (findings are for a person to review, never committed by CI)."""
+    workflow = yaml.safe_load((REPO / ".github/workflows/kb-check.yml").read_text())
+    triggers = workflow[True]  # YAML 1.1 reads the key `on` as true
+    assert triggers["schedule"][0]["cron"].split()[2:] == ["*", "*", "1"] and "workflow_dispatch" in triggers
+    assert workflow["permissions"] == {"contents": "read"}
+    steps = workflow["jobs"]["kb-check"]["steps"]
+    runs = [s.get("run", "") for s in steps]
+    assert any("mopt kb check --format markdown" in r and '>> "$GITHUB_STEP_SUMMARY"' in r for r in runs)
+    assert not any("--write" in r or "git push" in r or "git commit" in r for r in runs)
+    assert "scripts/setup.sh" in " ".join(runs)

