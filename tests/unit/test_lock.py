@@ -210,3 +210,28 @@ def test_a_partial_entry_never_replaces_a_complete_one(tmp_path):
     assert read_lock(path)["runtimes"][other] == partial
     write_lock(path, {other: ENTRY}, read_lock(path))
     assert read_lock(path)["runtimes"][other] == ENTRY
+
+
+@pytest.mark.parametrize(("backend_pins", "expected"), [
+    ({"vllm": "0.11.0"}, {"vllm": "0.11.0"}),
+    ({"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1"}, {"tensorrt_llm": "1.2.1", "tensorrt": "10.14.1"}),
+])
+def test_a_partial_entry_pins_each_backend_version(backend_pins, expected):
+    variant = Variant(id="x:cu128", image="x", flavour="f", backend="b", device="cuda", repository="mopt/x",
+                      tag="cu128", long_tag="l", axes={},
+                      resolved={"python": "3.10", "cuda": "12.8", "torch": "2.8.0", **backend_pins})
+    entry = partial_entry(variant, dict(CUDA_BASE), "no registry")
+    assert entry["pins"] == {"python": "3.10", "cuda": "12.8", "torch": "2.8.0", **expected}
+    assert entry["base"] == CUDA_BASE  # the base reference, for the host that completes the lock
+
+
+def test_a_partial_entry_replaces_an_older_partial_one_and_the_rest_still_merge(tmp_path):
+    path = tmp_path / "mopt.lock.json"
+    one = lock_key(_render(tmp_path / "one"))
+    two = lock_key(_render(tmp_path / "two", **{"Dockerfile.runtime": "FROM base\nRUN pip install y\n"}))
+    write_lock(path, {one: ENTRY, two: partial_entry(VARIANT, dict(CUDA_BASE), "old reason")}, None)
+    newer = partial_entry(VARIANT, dict(CUDA_BASE), "new reason")
+    # `one` is complete and stays; `two` was partial and takes the newer partial entry.
+    write_lock(path, dict(sorted({one: newer, two: newer}.items(), key=lambda kv: kv[0] != one)), read_lock(path))
+    runtimes = read_lock(path)["runtimes"]
+    assert runtimes[one] == ENTRY and runtimes[two] == newer
