@@ -56,11 +56,20 @@ def _model_choices(matrix, variants, policy: str) -> dict:
     return choices
 
 
-def _plan(matrix_path: str, select: tuple[str, ...]):
+def _gpu_brand(choice: str, gpus=None) -> str | None:
+    """--gpu-brand as the knowledge base takes it (None: unknown); auto looks at this host's GPUs."""
+    from .doctor import query_gpus, resolve_gpu_brand
+
+    if gpus is None:
+        gpus = query_gpus()[1] if choice == "auto" else ()
+    return resolve_gpu_brand(choice, tuple(gpus))[0]
+
+
+def _plan(matrix_path: str, select: tuple[str, ...], gpu_brand: str | None = None):
     from .plan import make_plan
 
     matrix = _load(matrix_path)
-    return matrix, make_plan(matrix, tuple(select))
+    return matrix, make_plan(matrix, tuple(select), gpu_brand)
 
 
 matrix_option = click.option("--matrix", "matrix_path", default=DEFAULT_MATRIX, envvar="MOPT_MATRIX",
@@ -76,6 +85,14 @@ sign_key_option = click.option(
     help="PEM private key (ECDSA P-256 or Ed25519): sign each published image's SBOM and provenance and attach "
          "them to its digest in the registry (check with mopt verify).")
 
+gpu_brand_option = click.option(
+    "--gpu-brand", "gpu_brand", type=click.Choice(["auto", "datacenter", "workstation", "consumer", "embedded",
+                                                   "unknown"]),
+    default="auto", show_default=True,
+    help="The GPU's product line, for driver checks: a data-center (or Jetson) GPU runs newer CUDA images on "
+         "older driver branches through forward compatibility (cuda-compat); consumer GPUs do not. auto: "
+         "detected through NVML (or nvidia-smi's GPU name) where a GPU is present, else unknown.")
+
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
                              show_default=True)
 
@@ -86,7 +103,20 @@ def cli() -> None:
     """Build GPU inference images from a version matrix: plan, render, build, test, publish."""
 
 
-def _plan_markdown(result, choices) -> str:
+def _min_driver_cell(resolved: dict, brand: str | None) -> str:
+    """The minimum driver; on a GPU that forward compatibility serves, also the older branches it admits."""
+    from .compat import knowledge_base
+
+    floor = resolved.get("min_driver") or "-"
+    fwd = resolved.get("forward_compat") or {}
+    kinds = knowledge_base().data["cuda"]["forward_compatibility"]["kinds"]
+    older = [b for b in fwd.get("branches", []) if floor != "-" and b < int(floor.split(".")[0])]
+    if brand and kinds.get(brand) == "yes" and older:
+        return f"{floor} (R{'/R'.join(map(str, older))} via {fwd['package']})"
+    return floor
+
+
+def _plan_markdown(result, choices, brand: str | None = None) -> str:
     """The plan as GitHub-flavoured Markdown: full cells, no wrapping or cut headers (unlike the table)."""
     def cell(text) -> str:
         return str(text).replace("|", "\\|").replace("\n", " ")
@@ -98,7 +128,7 @@ def _plan_markdown(result, choices) -> str:
         model = choice.source.text + (" (substitute)" if choice.substituted else "")
         lines.append("| " + " | ".join(cell(x) for x in (v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-",
                                                         r.get("backend_version"), r.get("torch") or "-",
-                                                        r.get("min_driver") or "-", model)) + " |")
+                                                        _min_driver_cell(r, brand), model)) + " |")
     if result.rejected:
         lines += ["", f"### {len(result.rejected)} rejected", "", "| would be | why |", "| --- | --- |"]
         lines += [f"| {cell(r.id)} | {cell('; '.join(r.reasons))} |" for r in result.rejected]
@@ -113,10 +143,13 @@ def _plan_markdown(result, choices) -> str:
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
               show_default=True, help="markdown: a GitHub-flavoured table for a CI job summary.")
 @models_option
-def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> None:
+@gpu_brand_option
+def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str, gpu_brand: str) -> None:
     """Expand the matrix into variants; list rejected combinations with their reasons, and the images a
-    build would give a substitute model (tagged TAG-substitute), and why."""
-    matrix, result = _plan(matrix_path, select)
+    build would give a substitute model (tagged TAG-substitute), and why. With a data-center --gpu-brand,
+    the min driver column also names the older branches forward compatibility admits."""
+    brand = _gpu_brand(gpu_brand)
+    matrix, result = _plan(matrix_path, select, brand)
     choices = _model_choices(matrix, result.variants, models)
     if fmt == "json":
         _echo_json(result.to_json() | {"models": {
@@ -124,7 +157,7 @@ def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> No
             for vid, c in choices.items()}})
         return
     if fmt == "markdown":
-        click.echo(_plan_markdown(result, choices))
+        click.echo(_plan_markdown(result, choices, brand))
         return
     table = Table(title=f"{len(result.variants)} variants from {result.combinations} combinations")
     table.add_column("id", no_wrap=True)
@@ -133,7 +166,7 @@ def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> No
     for v in result.variants:
         r = v.resolved
         table.add_row(v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-", str(r.get("backend_version")),
-                      r.get("torch") or "-", r.get("min_driver") or "-")
+                      r.get("torch") or "-", _min_driver_cell(r, brand))
     stdout.print(table)
     substituted = {v.image: choices[v.id] for v in result.variants if choices[v.id].substituted}
     for image, choice in substituted.items():
@@ -160,23 +193,27 @@ def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str) -> No
 @click.option("--torch", help="PyTorch version")
 @click.option("--driver", help="Host driver: a branch (535) or a version (550.54.14)")
 @click.option("--python", help="Python version")
+@gpu_brand_option
 @format_option
-def compat(fmt: str, **values) -> None:
+def compat(fmt: str, gpu_brand: str, **values) -> None:
     """Check one combination: exit 0 compatible, 3 incompatible (reasons printed), 2 bad input."""
     from . import compat as kb
     from .versions import normalize_sm
 
     if not any(values.values()):
-        raise ConfigError("give at least one of --cuda, --sm, --tensorrt, --tensorrt-llm, --vllm, --torch, --driver")
+        raise ConfigError("give at least one of --cuda, --sm, --tensorrt, --tensorrt-llm, --vllm, --torch, "
+                          "--driver, --python")
     if values["sm"] is not None:
         values["sm"] = normalize_sm(values["sm"])
-    verdict = kb.check(kb.Combo(**values))
+    verdict = kb.check(kb.Combo(**values, gpu_brand=_gpu_brand(gpu_brand)))
     if fmt == "json":
         _echo_json({"compatible": verdict.compatible, "reasons": list(verdict.reasons),
-                    "warnings": list(verdict.warnings), "resolved": verdict.resolved})
+                    "warnings": list(verdict.warnings), "notes": list(verdict.notes), "resolved": verdict.resolved})
     else:
         if verdict.compatible:
             stdout.print("[green]compatible[/]")
+        for note in verdict.notes:
+            stdout.print(f"[cyan]note:[/] {escape(note)}")
         for reason in verdict.reasons:
             stdout.print(f"[red]incompatible:[/] {escape(reason)}")
         for warning in verdict.warnings:
@@ -480,14 +517,17 @@ def demo(matrix_path: str, state_dir: Path, ca_bundle, find_links, index_url, ex
 
 
 @cli.command()
+@gpu_brand_option
 @format_option
-def doctor(fmt: str) -> None:
-    """Check this host for what a deployer needs: Docker, BuildKit, NVIDIA driver and GPUs, runtime, shm, disk."""
+def doctor(fmt: str, gpu_brand: str) -> None:
+    """Check this host for what a deployer needs: Docker, BuildKit, NVIDIA driver and GPUs (with the CUDA
+    versions the driver runs, natively or through forward compatibility), runtime, shm, disk."""
     from .doctor import inspect_host
 
-    facts = inspect_host()
+    facts = inspect_host(gpu_brand)
     if fmt == "json":
-        _echo_json({"driver": facts.driver, "gpus": [{"index": g.index, "name": g.name, "cc": g.cc, "sm": g.sm}
+        _echo_json({"driver": facts.driver, "gpus": [{"index": g.index, "name": g.name, "cc": g.cc, "sm": g.sm,
+                                                      "brand": g.brand, "nvml_brand": g.nvml_brand}
                                                      for g in facts.gpus],
                     "checks": [c.__dict__ for c in facts.checks]})
     else:
@@ -507,10 +547,12 @@ def doctor(fmt: str) -> None:
 @click.option("--gpu", help="Pretend this GPU (a name from the knowledge base, e.g. 'A10') instead of the host's.")
 @click.option("--sm", help="Pretend this GPU arch instead of the host's.")
 @click.option("--driver", help="Pretend this driver version instead of the host's.")
+@gpu_brand_option
 @format_option
 def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm: str | None, driver: str | None,
-         fmt: str) -> None:
-    """Name the published tag of IMAGE that fits this host (driver floor, sm), or say why none does."""
+         gpu_brand: str, fmt: str) -> None:
+    """Name the published tag of IMAGE that fits this host (driver floor or forward compatibility, sm), or say
+    why none does."""
     from .doctor import HostFacts, facts_override, query_gpus
     from .doctor import pick as pick_tag
     from .plan import make_plan
@@ -518,7 +560,8 @@ def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm:
     matrix = _load(matrix_path)
     host_driver, host_gpus, _ = query_gpus() if not (gpu or sm) else (None, (), "")
     facts = facts_override(HostFacts(driver=host_driver, gpus=host_gpus), gpu, sm, driver)
-    tag, why_not = pick_tag(make_plan(matrix), image, facts, flavour)
+    brand = _gpu_brand(gpu_brand, facts.gpus)
+    tag, why_not = pick_tag(make_plan(matrix), image, facts, flavour, brand)
     reference = f"{matrix.namespace}/{image}:{tag}"
     if fmt == "json":
         _echo_json({"image": image, "tag": tag, "reference": reference, "rejected": why_not})

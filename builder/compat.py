@@ -36,11 +36,16 @@ from .versions import (
 from .yamlio import safe_load_bounded
 
 __all__ = [
+    "GPU_BRANDS",
     "Combo",
+    "DriverPath",
     "KnowledgeBase",
     "Verdict",
     "check",
     "cubin_runs_on",
+    "driver_path",
+    "forward_compat",
+    "gpu_brand_of",
     "gpu_compute_capability",
     "knowledge_base",
     "load_knowledge_base",
@@ -64,6 +69,10 @@ class Combo:
     vllm: str | None = None
     torch: str | None = None
     python: str | None = None
+    gpu_brand: str | None = None     # datacenter | workstation | consumer | embedded; None: unknown
+
+
+GPU_BRANDS = ("datacenter", "workstation", "consumer", "embedded")
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class Verdict:
     reasons: tuple[str, ...]         # why incompatible, each a full sentence naming versions and the source
     warnings: tuple[str, ...]        # unconfirmed facts, PTX caveats
     resolved: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()      # which path applies where it is not the obvious one (forward compatibility)
 
     def raise_for_incompatible(self) -> None:
         """Raise IncompatibleError (exit 3) listing every reason when the combination cannot work."""
@@ -143,6 +153,18 @@ _RANGE_FIELDS: dict[tuple[str, ...], tuple[str, ...]] = {
 }
 
 
+def _validate_drops(drops: list[dict], file: str) -> None:
+    for i, row in enumerate(drops):
+        if "when_cuda" in row:
+            try:
+                parse_range(row["when_cuda"])
+            except ConfigError as exc:
+                raise ConfigError(exc.message, file=file, key=_keypath(["drops", i, "when_cuda"])) from None
+        if "restored_in" in row and release(row["restored_in"]) <= release(row["dropped_in"]):
+            raise ConfigError(f"restored_in {row['restored_in']} is not after dropped_in {row['dropped_in']}",
+                              file=file, key=_keypath(["drops", i, "restored_in"]))
+
+
 def _validate_semantics(data: Mapping[str, Any], file: str) -> None:
     """Checks JSON Schema cannot express: every range parses, every source resolves."""
     sources = set(data["sources"])
@@ -163,6 +185,7 @@ def _validate_semantics(data: Mapping[str, Any], file: str) -> None:
                 walk(v, [*path, i])
 
     walk({k: v for k, v in data.items() if k != "sources"}, [])
+    _validate_drops(data["drops"], file)
     for table, keys in _RANGE_FIELDS.items():
         for i, row in enumerate(data[table[0]][table[1]]):
             for k in keys:
@@ -292,14 +315,127 @@ def supported_sms(cuda: str, kb: KnowledgeBase | None = None) -> tuple[str, ...]
     return tuple(sorted(out, key=lambda s: (_sm_num(s), s)))
 
 
+def _gpu_row(name: str, kb: KnowledgeBase) -> dict | None:
+    """The sm.gpus row of a GPU name as users or nvidia-smi write it: "A10", "NVIDIA H100 80GB HBM3",
+    "NVIDIA A100-SXM4-80GB", "Tesla T4", "NVIDIA GeForce RTX 4090" (the longest table name that the
+    name is, or starts with before a space or dash)."""
+    words = name.upper().split()
+    while words and words[0] in ("NVIDIA", "TESLA", "GEFORCE", "QUADRO"):
+        words = words[1:]
+    want = " ".join(words)
+    best, best_len = None, 0
+    for row in kb.rows("sm", "gpus"):
+        for n in row["names"]:
+            n = n.upper()
+            if (want == n or want.startswith((n + " ", n + "-"))) and len(n) > best_len:
+                best, best_len = row, len(n)
+    return best
+
+
 def gpu_compute_capability(name: str, kb: KnowledgeBase | None = None) -> str:
     """GPU marketing name -> compute capability ("A10" -> "8.6"); ConfigError when unknown."""
     kb = kb or knowledge_base()
-    want = " ".join(name.upper().replace("NVIDIA ", "").split())
-    for row in kb.rows("sm", "gpus"):
-        if any(want == n.upper() for n in row["names"]):
-            return row["cc"]
-    raise ConfigError(f"GPU {name!r} is not in the compatibility knowledge base's GPU table (sm.gpus)")
+    row = _gpu_row(name, kb)
+    if row is None:
+        raise ConfigError(f"GPU {name!r} is not in the compatibility knowledge base's GPU table (sm.gpus)")
+    return row["cc"]
+
+
+def gpu_brand_of(name: str, nvml_brand: str | None = None, kb: KnowledgeBase | None = None) -> str | None:
+    """The product line of a GPU: its sm.gpus row by name, else its NVML brand, else a brand word in
+    its name ("Tesla", "GeForce", "Quadro"); None when none of them tells."""
+    kb = kb or knowledge_base()
+    row = _gpu_row(name, kb)
+    if row is not None:
+        return row["kind"]
+    brands = kb.data["cuda"]["forward_compatibility"]["brands"]
+    words = [w.lower() for w in name.split()]
+    for brand in [(nvml_brand or "").strip().lower().replace(" ", "").replace("_", ""), *words]:
+        kind = next((k for k, names in brands.items() if brand in names), None)
+        if kind:
+            return kind
+    return None
+
+
+def forward_compat(cuda: str, kb: KnowledgeBase | None = None) -> dict:
+    """What an image of this CUDA version carries for forward compatibility: the cuda-compat package,
+    where its libraries go, and the driver branches NVIDIA supports it on (empty when not sourced)."""
+    kb = kb or knowledge_base()
+    fc = kb.data["cuda"]["forward_compatibility"]
+    major, minor = release(normalize_cuda(cuda))[:2]
+    return {"package": fc["package"].format(major=major, minor=minor),
+            "path": fc["path"].format(major=major, minor=minor),
+            "branches": list(_forward_branches(kb, f"{major}.{minor}"))}
+
+
+def _forward_branches(kb: KnowledgeBase, mm: str) -> tuple[int, ...]:
+    """The data-center (brand=tesla) driver branches of the CUDA version's container_requirement row."""
+    req = kb.data["cuda"]["container_requirement"]
+    row = next((r for r in req["rows"] if r["cuda"] == mm), None)
+    out: set[int] = set()
+    for clause in (row or {}).get("clauses", []):
+        brands = req["brand_sets"][clause["brands"]] if isinstance(clause["brands"], str) else clause["brands"]
+        if "tesla" in brands:
+            out.update(clause["branches"])
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class DriverPath:
+    """How a driver runs an image of a CUDA version: natively (driver >= the toolkit's minimum),
+    through forward compatibility (cuda-compat, data-center GPUs, supported branches), or not."""
+
+    path: str                        # native | forward | none
+    min_driver: str
+    detail: str                      # the explanation: why it runs this way, or why not
+    source: str = ""
+
+
+def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: KnowledgeBase | None = None) -> DriverPath:
+    """Whether `driver` (a branch "535" or a version) runs CUDA `cuda` images on a GPU of `gpu_brand`."""
+    kb = kb or knowledge_base()
+    cuda, driver = normalize_cuda(cuda), normalize_driver(driver)
+    floor = _toolkit_min_driver(kb, cuda)
+    if floor is None:
+        raise IncompatibleError(_cuda_problem(kb, cuda) or f"CUDA {cuda}: no minimum driver")
+    is_branch = "." not in driver
+    branch = release(driver)[0]
+    if not (branch < release(floor)[0] if is_branch else compare_versions(driver, floor) < 0):
+        return DriverPath("native", floor, f"{_driver_text(driver)} meets CUDA {cuda}'s minimum driver {floor}")
+    fc = kb.data["cuda"]["forward_compatibility"]
+    info = forward_compat(cuda, kb)
+    src = kb.source_text(fc)
+    mm = major_minor(cuda)
+    supported = branch in info["branches"]
+    kinds = fc["kinds"]
+    if gpu_brand in ("datacenter", "embedded") and kinds[gpu_brand] == "yes":
+        if supported:
+            return DriverPath("forward", floor, (
+                f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {floor}, but a {gpu_brand} GPU runs "
+                f"CUDA {mm} on it through forward compatibility: the image carries {info['package']} and loads it "
+                f"from {info['path']} at start, and its NVIDIA_REQUIRE_CUDA admits brand=tesla on branch {branch}"),
+                src)
+        if info["branches"]:
+            why = (f"forward compatibility for CUDA {mm} supports driver branches "
+                   f"{', '.join(map(str, info['branches']))}, not {branch}")
+        else:
+            why = (f"the knowledge base has no sourced forward-compatibility branches for CUDA {mm}, and the "
+                   f"image's NVIDIA_REQUIRE_CUDA (cuda>={mm}) admits no older branch")
+        return DriverPath("none", floor, f"{why} {src}", src)
+    if gpu_brand == "consumer":
+        return DriverPath("none", floor, "forward compatibility (cuda-compat) does not apply: it works only on "
+                                         "data-center GPUs; "
+                                         "a consumer GPU fails with cudaErrorCompatNotSupportedOnDevice (804) "
+                                         + src, src)
+    if not supported:
+        return DriverPath("none", floor, "")  # nothing forward compatibility could change
+    if gpu_brand == "workstation":
+        hint = "forward compatibility works only on select NGC Server Ready RTX SKUs, so it is not assumed"
+    else:
+        hint = "the GPU's product line is unknown, so forward compatibility is not assumed"
+    hint += (f"; on a data-center GPU it would run through forward compatibility ({info['package']}): "
+             f"give --gpu-brand datacenter if it is one")
+    return DriverPath("none", floor, f"{hint} {src}", src)
 
 
 def cubin_runs_on(built_sm: str, device_sm: str, kb: KnowledgeBase | None = None) -> bool:
@@ -345,6 +481,7 @@ class _Ctx:
         self.kb = kb
         self.reasons: list[str] = []
         self.warnings: list[str] = []
+        self.notes: list[str] = []
         self.resolved: dict[str, Any] = {}
 
     def reject(self, msg: str) -> None:
@@ -354,6 +491,10 @@ class _Ctx:
     def warn(self, msg: str) -> None:
         if msg not in self.warnings:
             self.warnings.append(msg)
+
+    def note(self, msg: str) -> None:
+        if msg not in self.notes:
+            self.notes.append(msg)
 
     def fact(self, row: Mapping[str, Any], msg: str, *, soft: str = "") -> None:
         """A rejection when the row is confirmed (and no `soft` excuse is given), else a warning."""
@@ -400,6 +541,7 @@ def _same_release(a: str, b: str) -> bool:
 
 def _check_trtllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
     ver = combo.tensorrt_llm
+    _drops(ctx, "tensorrt_llm", ver, cuda=cuda or None, sm=combo.sm, python=combo.python)
     row = _unique(ctx, ("tensorrt_llm", "pins"), "tensorrt_llm", ver, "TensorRT-LLM", explicit=True)
     if row is None:
         return
@@ -439,6 +581,7 @@ def _check_trtllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
 
 def _check_vllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
     ver = combo.vllm
+    _drops(ctx, "vllm", ver, cuda=cuda, sm=combo.sm, python=combo.python)
     row = _unique(ctx, ("vllm", "torch_pins"), "vllm", ver, "vLLM", explicit=True)
     if row is not None:
         pin, src = row["torch"], ctx.kb.source_text(row)
@@ -462,7 +605,7 @@ def _check_vllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
                      f"the image needs a vLLM/torch build matching CUDA {cuda} {ctx.kb.source_text(w)}.")
 
 
-def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None) -> None:
+def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str | None) -> None:
     kb = ctx.kb
     problem = _cuda_problem(kb, cuda)
     ctx.resolved["cuda_major"] = release(cuda)[0]
@@ -475,6 +618,8 @@ def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None) -> None:
             ctx.warn("UNCONFIRMED: " + problem + " Its minimum driver is not checked.")
         else:
             ctx.reject(problem)
+    if floor is not None:
+        ctx.resolved["forward_compat"] = forward_compat(cuda, kb)
     if not driver:
         return
     tk = kb.toolkit(cuda)
@@ -488,14 +633,23 @@ def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None) -> None:
     branch, limit_branch = release(driver)[0], release(limit)[0]
     below = branch < limit_branch if is_branch else compare_versions(driver, limit) < 0
     if below:
+        way = driver_path(cuda, driver, gpu_brand, kb) if floor else None
+        if way is not None and way.path == "forward":
+            ctx.resolved["driver_path"] = "forward"
+            ctx.note(f"{way.detail} {way.source}.")
+            return
+        ctx.resolved["driver_path"] = "none"
         mvc_note = ""
         if mvc and compare_versions(driver if not is_branch else f"{driver}.999", mvc["min_driver"]) >= 0:
             disable = req.get("disable_env", "NVIDIA_DISABLE_REQUIRE=true")
             mvc_note = (f" Minor version compatibility ({release(cuda)[0]}.x on >= {mvc['min_driver']}) "
                         f"would only help with {disable} and no PTX JIT (cudaErrorUnsupportedPtxVersion).")
+        fwd_note = f" {way.detail[:1].upper()}{way.detail[1:]}." if way is not None and way.detail else ""
         ctx.reject(f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {limit}; the container "
-                   f"would stop at start with \"{error}\" {src}.{mvc_note}")
-    elif is_branch and branch == limit_branch and release(limit)[1:] != (0,):
+                   f"would stop at start with \"{error}\" {src}.{mvc_note}{fwd_note}")
+        return
+    ctx.resolved["driver_path"] = "native"
+    if is_branch and branch == limit_branch and release(limit)[1:] != (0,):
         ctx.warn(f"driver branch {driver} includes releases older than CUDA {cuda}'s minimum driver {limit}; "
                  f"the host needs >= {limit} {src}.")
 
@@ -538,9 +692,11 @@ def _sm_rules(ctx: _Ctx, table: tuple[str, ...], key: str, version: str, what: s
             ctx.warn(f"{what} {version}: sm_{sm} is deprecated{note} {src}.")
 
 
-def _check_tensorrt(ctx: _Ctx, trt: str, explicit: bool, cuda: str | None, sm: str | None) -> None:
+def _check_tensorrt(ctx: _Ctx, trt: str, explicit: bool, cuda: str | None, sm: str | None,
+                    python: str | None) -> None:
+    fired = _drops(ctx, "tensorrt", trt, cuda=cuda, sm=None, python=python)
     row = _unique(ctx, ("tensorrt", "cuda_builds"), "tensorrt", trt, "TensorRT", explicit=explicit)
-    if row is not None and cuda and row.get("confirmed", True):
+    if row is not None and cuda and row.get("confirmed", True) and "cuda" not in fired:
         src = ctx.kb.source_text(row)
         if in_any(cuda, row["cuda"]):
             pass
@@ -549,8 +705,12 @@ def _check_tensorrt(ctx: _Ctx, trt: str, explicit: bool, cuda: str | None, sm: s
         else:
             builds = ", ".join(row["cuda"]) or "none sourced"
             ctx.fact(row, f"TensorRT {trt} has no build for CUDA {cuda} (builds: CUDA {builds}) {src}.")
-    if sm and row is not None:
-        _sm_rules(ctx, ("tensorrt", "sm_rules"), "tensorrt", trt, "TensorRT", sm)
+    if sm:
+        before = len(ctx.reasons)
+        if row is not None:
+            _sm_rules(ctx, ("tensorrt", "sm_rules"), "tensorrt", trt, "TensorRT", sm)
+        _drops(ctx, "tensorrt", trt, cuda=cuda, sm=sm, python=None,
+               skip=frozenset({"cuda"} | ({"sm"} if len(ctx.reasons) > before else set())))
 
 
 def _torch_local_cuda(torch: str) -> str | None:
@@ -560,12 +720,14 @@ def _torch_local_cuda(torch: str) -> str | None:
     return None
 
 
-def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: str | None) -> None:
+def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: str | None,
+                 python: str | None) -> None:
     kb = ctx.kb
     soft = ""
     if not explicit and ctx.resolved.get("torch_from") == "tensorrt_llm":
         soft = (f"torch {torch} is implied by the TensorRT-LLM {ctx.resolved.get('tensorrt_llm')} pin, whose "
                 f"releases ship their own torch build, so this is not enforced.")
+    _drops(ctx, "torch", torch, cuda=None, sm=None, python=python, soft=soft)
     local = parse_version(torch).local
     if local == "cpu":
         if cuda:
@@ -576,7 +738,9 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
         ctx.reject(f"torch {torch} is built for CUDA {local_cuda}, but CUDA {cuda} was given.")
     matches = kb.match_rows(("torch", "builds"), "torch", torch)
     confirmed = matches[0] if len(matches) == 1 and _variants_confirmed(matches[0]) else None
-    if cuda and _cuda_dropped(ctx, torch, major_minor(cuda), confirmed, soft) and not soft:
+    restores = frozenset({confirmed["default_cuda"], *confirmed["cuda_variants"]}) if confirmed else frozenset()
+    fired = _drops(ctx, "torch", torch, cuda=cuda, sm=None, python=None, soft=soft, restores=restores)
+    if "cuda" in fired and not soft:
         return
     row = _unique(ctx, ("torch", "builds"), "torch", torch, "torch", explicit=explicit)
     if row is None:
@@ -595,27 +759,56 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
             ctx.warn(f"UNCONFIRMED: torch {torch} CUDA {mm} build: {row.get('note', 'variants unconfirmed')} "
                      f"(known: {', '.join(built)}) {src}.")
     if sm:
+        before = len(ctx.reasons) + len(ctx.warnings)
         _check_torch_arch(ctx, torch, mm, sm, soft)
+        judged = len(ctx.reasons) + len(ctx.warnings) > before  # the arch lists already spoke of this sm
+        _drops(ctx, "torch", torch, cuda=cuda, sm=sm, python=None, soft=soft,
+               skip=frozenset({"cuda", "sm"} if judged else {"cuda"}))
 
 
 def _variants_confirmed(row: Mapping[str, Any]) -> bool:
     return bool(row.get("variants_confirmed", True) and row.get("confirmed", True))
 
 
-def _cuda_dropped(ctx: _Ctx, torch: str, mm: str, confirmed: Mapping[str, Any] | None, soft: str) -> bool:
-    """Whether torch's CUDA mm line ended before this version (cuda_drops), with no confirmed builds row
-    listing it again; reported (with the source) when it did."""
-    for drop in ctx.kb.rows("torch", "cuda_drops"):
-        last = release(drop["last"])
-        if drop["cuda"] != mm or release(torch)[:len(last)] <= last:  # "2.8" covers 2.8.1 too
+_PACKAGE_NAMES = {"torch": "torch", "vllm": "vLLM", "tensorrt": "TensorRT", "tensorrt_llm": "TensorRT-LLM"}
+
+
+def _from_on(version: str, start: str) -> bool:
+    """version >= start by release ("2.9" covers 2.9.0 and 2.9.1; 2.8.1 is before it)."""
+    a, b = release(version), release(start)
+    n = max(len(a), len(b))
+    return a + (0,) * (n - len(a)) >= b + (0,) * (n - len(b))
+
+
+def _drops(ctx: _Ctx, package: str, version: str, *, cuda: str | None, sm: str | None, python: str | None,
+           soft: str = "", skip: frozenset[str] = frozenset(), restores: frozenset[str] = frozenset()) -> set[str]:
+    """Reject each line `package` dropped before `version` (the KB's drops, inherited by every later
+    version) that the combination uses; returns the axes reported. `skip`: axes already judged by
+    the package's own rows; `restores`: CUDA lines a confirmed row of this version lists again."""
+    what = _PACKAGE_NAMES[package]
+    fired: set[str] = set()
+    for row in ctx.kb.rows("drops"):
+        if row["package"] != package or not _from_on(version, row["dropped_in"]):
             continue
-        if confirmed is not None and mm in {confirmed["default_cuda"], *confirmed["cuda_variants"]}:
-            return False  # a row brings the line back
-        ctx.fact(drop, f"torch built its last CUDA {mm} wheels at {drop['last']} and a dropped CUDA line does "
-                       f"not come back: torch {torch} has no CUDA {mm} build ({drop['note']}) "
-                       f"{ctx.kb.source_text(drop)}.", soft=soft)
-        return True
-    return False
+        if row.get("restored_in") and _from_on(version, row["restored_in"]):
+            continue
+        if row.get("when_cuda") and not (cuda and in_any(cuda, row["when_cuda"])):
+            continue
+        note = f" ({row['note']})" if row.get("note") else ""
+        head = f"{what} dropped {{}} in {row['dropped_in']} and a dropped line does not come back: {what} {version}"
+        if "cuda" in row and cuda and "cuda" not in skip and major_minor(cuda) not in restores \
+                and release(cuda)[:len(release(row["cuda"]))] == release(row["cuda"]):
+            axis, msg = "cuda", head.format(f"CUDA {row['cuda']}") + f" has no CUDA {major_minor(cuda)} build"
+        elif "sm" in row and sm and "sm" not in skip and sm.rstrip("a") in row["sm"]:
+            builds = f" from its builds for CUDA {row['when_cuda']}" if row.get("when_cuda") else ""
+            axis, msg = "sm", head.format(f"sm_{sm.rstrip('a')}{builds}") + f" does not support sm_{sm}"
+        elif "python" in row and python and major_minor(python) in row["python"]:
+            axis, msg = "python", head.format(f"Python {major_minor(python)}") + f" does not support Python {python}"
+        else:
+            continue
+        ctx.fact(row, f"{msg}{note} {ctx.kb.source_text(row)}.", soft=soft)
+        fired.add(axis)
+    return fired
 
 
 def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> None:
@@ -652,11 +845,15 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
         value = getattr(combo, name)
         if value is not None:
             parse_version(value)
+    if combo.python is not None:
+        parse_version(combo.python)
+    if combo.gpu_brand is not None and combo.gpu_brand not in GPU_BRANDS:
+        raise ConfigError(f"GPU brand {combo.gpu_brand!r}: expected one of {', '.join(GPU_BRANDS)}")
     combo = Combo(cuda=cuda, sm=sm, driver=driver, tensorrt=combo.tensorrt, tensorrt_llm=combo.tensorrt_llm,
-                  vllm=combo.vllm, torch=combo.torch, python=combo.python)
+                  vllm=combo.vllm, torch=combo.torch, python=combo.python, gpu_brand=combo.gpu_brand)
     ctx.resolved.update({"cuda": cuda, "sm": sm, "driver": driver, "tensorrt": combo.tensorrt,
                          "tensorrt_llm": combo.tensorrt_llm, "vllm": combo.vllm, "torch": combo.torch,
-                         "python": combo.python, "cc": sm_to_cc(sm) if sm else None,
+                         "python": combo.python, "gpu_brand": combo.gpu_brand, "cc": sm_to_cc(sm) if sm else None,
                          "cuda_major": None, "min_driver": None, "min_driver_mvc": None})
 
     if combo.tensorrt_llm:
@@ -665,18 +862,18 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     if combo.vllm:
         _check_vllm(ctx, combo, eff_cuda)
     if eff_cuda:
-        _check_cuda_driver(ctx, eff_cuda, driver)
+        _check_cuda_driver(ctx, eff_cuda, driver, combo.gpu_brand)
     elif driver:
         ctx.warn(f"{_driver_text(driver)} given without a CUDA version; nothing to check it against.")
     arch_sm = _check_sm_cuda(ctx, sm, eff_cuda) if sm else None
     trt = combo.tensorrt or ctx.resolved.get("tensorrt")
     if trt and (combo.tensorrt or _pin_version(trt)):      # an implied range names no release to look up
-        _check_tensorrt(ctx, trt, bool(combo.tensorrt), eff_cuda, sm if arch_sm else None)
+        _check_tensorrt(ctx, trt, bool(combo.tensorrt), eff_cuda, sm if arch_sm else None, combo.python)
     if combo.tensorrt_llm and sm and arch_sm:
         _sm_rules(ctx, ("tensorrt_llm", "sm_rules"), "tensorrt_llm", combo.tensorrt_llm, "TensorRT-LLM", sm)
     torch = combo.torch or ctx.resolved.get("torch")
     if torch:
-        _check_torch(ctx, torch, bool(combo.torch), eff_cuda, sm if arch_sm else None)
+        _check_torch(ctx, torch, bool(combo.torch), eff_cuda, sm if arch_sm else None, combo.python)
 
     return Verdict(compatible=not ctx.reasons, reasons=tuple(ctx.reasons), warnings=tuple(ctx.warnings),
-                   resolved=dict(ctx.resolved))
+                   resolved=dict(ctx.resolved), notes=tuple(ctx.notes))

@@ -34,10 +34,37 @@ class Gpu:
     index: int
     name: str
     cc: str  # "9.0"
+    nvml_brand: str | None = None  # nvmlDeviceGetBrand as libnvidia-container names it: tesla, geforce ...
 
     @property
     def sm(self) -> str:
         return cc_to_sm(self.cc)
+
+    @property
+    def brand(self) -> str | None:
+        """Its product line (datacenter, workstation, consumer, embedded); None when unknown."""
+        return compat.gpu_brand_of(self.name, self.nvml_brand)
+
+
+# nvmlBrandType_t values (nvml.h), named as libnvidia-container names them in NVIDIA_REQUIRE_* brands.
+NVML_BRANDS = ("unknown", "quadro", "tesla", "nvs", "grid", "geforce", "titan", "vapps", "vpc", "vcs", "vws",
+               "cloudgaming", "quadrortx", "nvidiartx", "nvidia", "geforcertx", "titanrtx")
+BRAND_CHOICES = ("auto", *compat.GPU_BRANDS, "unknown")
+
+
+def resolve_gpu_brand(choice: str, gpus: tuple[Gpu, ...]) -> tuple[str | None, str]:
+    """(brand, how it was decided) for --gpu-brand: given, or (auto) the detected GPUs' common product line."""
+    if choice == "unknown":
+        return None, "given as unknown"
+    if choice != "auto":
+        return choice, "given"
+    if not gpus:
+        return None, "no GPU detected"
+    kinds = {g.brand for g in gpus}
+    if len(kinds) == 1 and None not in kinds:
+        return kinds.pop(), f"detected: {gpus[0].name}" + (f" (NVML brand {gpus[0].nvml_brand})"
+                                                            if gpus[0].nvml_brand else "")
+    return None, "detected GPUs of unknown or mixed product lines: " + ", ".join(g.name for g in gpus)
 
 
 @dataclass(frozen=True)
@@ -70,7 +97,9 @@ def query_gpus() -> tuple[str | None, tuple[Gpu, ...], str]:
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
             name = pynvml.nvmlDeviceGetName(handle)
-            gpus.append(Gpu(i, name.decode() if isinstance(name, bytes) else name, f"{major}.{minor}"))
+            brand = pynvml.nvmlDeviceGetBrand(handle)
+            gpus.append(Gpu(i, name.decode() if isinstance(name, bytes) else name, f"{major}.{minor}",
+                            NVML_BRANDS[brand] if 0 <= brand < len(NVML_BRANDS) else None))
         return (driver.decode() if isinstance(driver, bytes) else driver), tuple(gpus), "NVML"
     except Exception:  # noqa: BLE001 - pynvml absent or no driver: fall back to nvidia-smi
         pass
@@ -102,7 +131,28 @@ def _version_at_least(version: str, floor: str) -> bool:
         return False
 
 
-def inspect_host() -> HostFacts:
+def cuda_paths_check(driver: str | None, brand: tuple[str | None, str]) -> Check:
+    """Which CUDA versions of the knowledge base this driver runs natively, and which through forward
+    compatibility (a data-center GPU and a supported branch), for the GPU's product line."""
+    kind, how = brand
+    native, forward, none = [], [], []
+    for row in compat.knowledge_base().rows("cuda", "toolkits"):
+        if not driver:
+            break
+        way = compat.driver_path(row["version"], driver, kind)
+        {"native": native, "forward": forward}.get(way.path, none).append(row["version"])
+    detail = (f"product line {kind or 'unknown'} ({how}); driver {driver}: CUDA {', '.join(native) or 'none'} "
+              f"natively")
+    if forward:
+        pkg = compat.forward_compat(forward[-1])["package"]
+        detail += f"; CUDA {', '.join(forward)} through forward compatibility (images carry {pkg} and the like)"
+    fix = ""
+    if none and kind is None:
+        fix = "if this is a data-center GPU, pass --gpu-brand datacenter to see its forward-compatible CUDA versions"
+    return Check("cuda-versions", "ok" if native or forward else "warn", detail, fix)
+
+
+def inspect_host(gpu_brand: str = "auto") -> HostFacts:
     checks = []
     docker_bin = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker") or "docker")
     info = _run([docker_bin, "info", "--format", "{{json .}}"])
@@ -132,7 +182,9 @@ def inspect_host() -> HostFacts:
     if gpus:
         checks.append(Check("nvidia-driver", "ok", f"driver {driver} (via {how})"))
         for gpu in gpus:
-            checks.append(Check(f"gpu{gpu.index}", "ok", f"{gpu.name}, compute capability {gpu.cc} (sm_{gpu.sm})"))
+            checks.append(Check(f"gpu{gpu.index}", "ok", f"{gpu.name}, compute capability {gpu.cc} (sm_{gpu.sm}), "
+                                                        f"product line {gpu.brand or 'unknown'}"))
+        checks.append(cuda_paths_check(driver, resolve_gpu_brand(gpu_brand, gpus)))
         if "nvidia" in runtimes or Path("/etc/cdi/nvidia.yaml").exists() or shutil.which("nvidia-container-cli"):
             found = "nvidia runtime registered" if "nvidia" in runtimes else "NVIDIA container toolkit found"
             checks.append(Check("nvidia-container-runtime", "ok", found))
@@ -154,12 +206,10 @@ def inspect_host() -> HostFacts:
     return HostFacts(driver=driver, gpus=gpus, docker_server=docker_server, runtimes=runtimes, checks=tuple(checks))
 
 
-def _driver_ok(driver: str, floor: str) -> bool:
-    return parse_version(driver) >= parse_version(floor)
-
-
-def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = None) -> tuple[str, list[str]]:
-    """The published tag of `image` that fits this host, and why each other candidate does not."""
+def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = None,
+         gpu_brand: str | None = None) -> tuple[str, list[str]]:
+    """The published tag of `image` that fits this host, and why each other candidate does not (and,
+    where the tag runs through forward compatibility, how)."""
     variants = [v for v in plan.variants if v.image == image]
     if not variants:
         raise ConfigError(f"image {image!r} is not in the matrix (images: "
@@ -176,18 +226,25 @@ def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = 
             built = sorted({v.resolved["sm"] for v in variants if v.device == "cuda"}, key=lambda s: int(s[:3]))
             why_not.append(f"no tag is built for {', '.join('sm_' + s for s in sorted(sms))} "
                            f"(engines are tied to the GPU arch; built: {', '.join('sm_' + s for s in built)})")
-        fits = []
+        fits, forward = [], {}
         for v in same_arch:
             floor = v.resolved.get("min_driver")
-            if floor and facts.driver and not _driver_ok(facts.driver, floor):
-                why_not.append(f"{v.tag}: CUDA {v.resolved['cuda']} needs driver >= {floor}, this host has "
-                               f"{facts.driver}")
-            else:
+            way = compat.driver_path(v.resolved["cuda"], facts.driver, gpu_brand) if floor and facts.driver else None
+            if way is None or way.path == "native":
                 fits.append(v)
+            elif way.path == "forward":
+                fits.append(v)
+                forward[v.tag] = way
+            else:
+                why_not.append(f"{v.tag}: CUDA {v.resolved['cuda']} needs driver >= {floor}, this host has "
+                               f"{facts.driver}" + (f"; {way.detail}" if way.detail else ""))
         if fits:
-            # Newest CUDA that the driver runs, default flavour (first in the matrix) on ties.
+            # Newest CUDA that the driver runs (natively or through forward compatibility), default
+            # flavour (first in the matrix) on ties.
             order = {f: i for i, f in enumerate(dict.fromkeys(v.flavour for v in variants))}
             best = max(fits, key=lambda v: (parse_version(v.resolved["cuda"]), -order[v.flavour]))
+            if best.tag in forward:
+                why_not.append(f"{best.tag} runs through forward compatibility: {forward[best.tag].detail}")
             return best.tag, why_not
     cpu = [v for v in variants if v.device == "cpu"]
     if cpu:

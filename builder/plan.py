@@ -82,7 +82,7 @@ def _check(combo: compat.Combo) -> compat.Verdict:
 
 
 def _combo(values: dict) -> compat.Combo:
-    return compat.Combo(**{k: values.get(k) for k in COMBO_AXES})
+    return compat.Combo(**{k: values.get(k) for k in COMBO_AXES}, gpu_brand=values.get("gpu_brand"))
 
 
 def _expand(flavour: Flavour) -> list[dict]:
@@ -180,11 +180,12 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Ver
     return resolved, reasons
 
 
-def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour) -> tuple[list, list, int]:
+def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour,
+                  gpu_brand: str | None) -> tuple[list, list, int]:
     variants, rejected = [], []
     combos = _expand(flavour)
     for combo in combos:
-        values = dict(combo)
+        values = dict(combo) | ({"gpu_brand": gpu_brand} if gpu_brand else {})
         reasons, verdict = _pick_newest(matrix, flavour, values)
         resolved = {}
         if not reasons:
@@ -214,11 +215,13 @@ def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour) -> tuple[
     return variants, rejected, len(combos)
 
 
-def make_plan(matrix: Matrix, select: tuple[str, ...] = ()) -> Plan:
+def make_plan(matrix: Matrix, select: tuple[str, ...] = (), gpu_brand: str | None = None) -> Plan:
+    """Every variant of the matrix. gpu_brand: the GPU product line that driver checks assume
+    (forward compatibility on data-center GPUs); None: unknown."""
     variants, rejected, total = [], [], 0
     for entry in matrix.images:
         for flavour in entry.flavours:
-            v, r, n = _plan_flavour(matrix, entry, flavour)
+            v, r, n = _plan_flavour(matrix, entry, flavour, gpu_brand)
             variants += v
             rejected += r
             total += n

@@ -73,6 +73,10 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "max_wait_ms": recipe.max_wait_ms,
         "source_date_epoch": _source_date_epoch(matrix),
         "packed": _packed(variant, recipe, spec),
+        # A CUDA image on NVIDIA's base carries the cuda-compat package, loaded at start only on an
+        # older driver (forward compatibility, data-center GPUs).
+        "forward_compat": (resolved.get("forward_compat") if variant.device == "cuda"
+                           and matrix.bases[resolved["base"]["name"]].has_cuda else None),
     }
 
 

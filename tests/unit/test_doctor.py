@@ -61,7 +61,12 @@ def test_pick_cli_on_this_host():
     result = run_mopt("pick", "minilm-embed", "--format", "json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["reference"] == "mopt/minilm-embed:cpu"
+    # an A100 is a data-center GPU: on the R535 branch it runs the CUDA 12.8 image through forward
+    # compatibility (docs/matrix.md); on a GPU of unknown product line the newest native tag is CUDA 12.1's
     result = run_mopt("pick", "qwen3-embed", "--gpu", "A100", "--driver", "535.54.03")
+    assert result.returncode == 0 and result.stdout.strip() == "mopt/qwen3-embed:cu128-sm80", result.stderr
+    assert "cu128-sm80 runs through forward compatibility" in result.stderr
+    result = run_mopt("pick", "qwen3-embed", "--sm", "80", "--driver", "535.54.03")
     assert result.returncode == 0 and result.stdout.strip() == "mopt/qwen3-embed:cu121-sm80"
     assert run_mopt("pick", "qwen3-embed", "--gpu", "Voodoo 3").returncode == 2
 

@@ -1,0 +1,211 @@
+"""CUDA forward compatibility (issue 19): a data-center GPU runs a newer CUDA image on an older driver
+branch through the image's cuda-compat libraries; consumer GPUs do not. compat, pick, plan and doctor
+take --gpu-brand (auto: detected), and the images carry the package and say so in labels.
+
+No GPU here: doctor's detection reads a stand-in nvidia-smi on PATH (the NVIDIA driver cannot run on
+these machines); everything else is the real knowledge base, CLI and renderer."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from builder import compat
+from builder.compat import Combo, check, driver_path, forward_compat, gpu_brand_of
+from builder.doctor import Gpu, HostFacts, pick, resolve_gpu_brand
+from builder.errors import ConfigError
+from builder.matrix import load_matrix
+from builder.plan import make_plan
+from tests.conftest import REPO, run_mopt
+
+BRANCHES_12_8 = [470, 535, 550, 560, 565]
+FORWARD_12_8 = ("driver branch 535 is below CUDA 12.8's minimum driver 570.26, but a {kind} GPU runs CUDA 12.8 on it "
+                "through forward compatibility: the image carries cuda-compat-12-8 and loads it from "
+                "/usr/local/cuda-12.8/compat at start, and its NVIDIA_REQUIRE_CUDA admits brand=tesla on branch 535 "
+                "(source: FWD; NVCUDA-IMG).")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan(load_matrix(REPO / "matrix.yaml"))
+
+
+def test_the_issue_case_a_datacenter_gpu_on_r535_runs_cuda_12_8():
+    verdict = check(Combo(cuda="12.8", driver="535", gpu_brand="datacenter"))
+    assert verdict.compatible and verdict.reasons == () and verdict.warnings == ()
+    assert verdict.notes == (FORWARD_12_8.format(kind="datacenter"),)
+    assert verdict.resolved["driver_path"] == "forward"
+    assert verdict.resolved["forward_compat"] == {"package": "cuda-compat-12-8", "path": "/usr/local/cuda-12.8/compat",
+                                                  "branches": BRANCHES_12_8}
+    # Jetson boards are covered too
+    assert check(Combo(cuda="12.8", driver="535.104.05", gpu_brand="embedded")).compatible
+
+
+@pytest.mark.parametrize("brand,tail", [
+    ("consumer", " Forward compatibility (cuda-compat) does not apply: it works only on data-center GPUs; a consumer "
+                 "GPU fails with cudaErrorCompatNotSupportedOnDevice (804) (source: FWD; NVCUDA-IMG)."),
+    ("workstation", " Forward compatibility works only on select NGC Server Ready RTX SKUs, so it is not assumed; on a "
+                    "data-center GPU it would run through forward compatibility (cuda-compat-12-8): give --gpu-brand "
+                    "datacenter if it is one (source: FWD; NVCUDA-IMG)."),
+    (None, " The GPU's product line is unknown, so forward compatibility is not assumed; on a data-center GPU it "
+           "would run through forward compatibility (cuda-compat-12-8): give --gpu-brand datacenter if it is one "
+           "(source: FWD; NVCUDA-IMG)."),
+])
+def test_other_gpus_are_refused_and_told_why(brand, tail):
+    verdict = check(Combo(cuda="12.8", driver="535", gpu_brand=brand))
+    assert not verdict.compatible and verdict.notes == ()
+    (reason,) = verdict.reasons
+    assert reason.startswith("driver branch 535 is below CUDA 12.8's minimum driver 570.26; the container would stop")
+    assert reason.endswith(tail)
+    assert verdict.resolved["driver_path"] == "none"
+
+
+@pytest.mark.parametrize("cuda,driver,why", [
+    # a branch the compat package does not support (530 is not among 12.8's)
+    ("12.8", "530", "forward compatibility for CUDA 12.8 supports driver branches 470, 535, 550, 560, 565, not 530"),
+    # CUDA 13.0: no sourced branches (its image admits none)
+    ("13.0", "535", "the knowledge base has no sourced forward-compatibility branches for CUDA 13.0, and the image's "
+                    "NVIDIA_REQUIRE_CUDA (cuda>=13.0) admits no older branch"),
+])
+def test_a_datacenter_gpu_on_an_unsupported_branch_is_refused(cuda, driver, why):
+    (reason,) = check(Combo(cuda=cuda, driver=driver, gpu_brand="datacenter")).reasons
+    assert reason.endswith(" " + why[0].upper() + why[1:] + " (source: FWD; NVCUDA-IMG).")
+
+
+def test_driver_paths():
+    assert driver_path("12.8", "570.26").path == "native"
+    assert driver_path("12.8", "580", "consumer").path == "native"
+    assert driver_path("12.8", "570.20", "datacenter").path == "none"     # branch 570 is not a forward branch
+    way = driver_path("12.8", "535.104.05", "datacenter")
+    assert (way.path, way.min_driver) == ("forward", "570.26")
+    assert driver_path("12.8", "535.104.05", "consumer").path == "none"
+    # a branch no forward compatibility could change: nothing to explain
+    assert driver_path("12.8", "520").detail == ""
+    # the 12.1 image admits the tesla brand on R450 alone
+    assert driver_path("12.1", "450", "datacenter").path == "forward"
+    assert forward_compat("12.1")["branches"] == [450, 470, 510, 515, 525]
+    assert forward_compat("13.0") == {"package": "cuda-compat-13-0", "path": "/usr/local/cuda-13.0/compat",
+                                      "branches": []}
+    with pytest.raises(ConfigError, match="GPU brand 'tesla'"):
+        check(Combo(cuda="12.8", driver="535", gpu_brand="tesla"))
+
+
+@pytest.mark.parametrize("name,nvml_brand,kind", [
+    ("NVIDIA H100 80GB HBM3", None, "datacenter"), ("NVIDIA A100-SXM4-80GB", None, "datacenter"),
+    ("Tesla T4", None, "datacenter"), ("NVIDIA A10", None, "datacenter"), ("NVIDIA L40S", None, "datacenter"),
+    ("NVIDIA GeForce RTX 4090", None, "consumer"), ("NVIDIA RTX A6000", None, "workstation"),
+    ("Jetson Orin", None, "embedded"),
+    # not in the table: the NVML brand, else a brand word in the name
+    ("Tesla P100-PCIE-16GB", None, "datacenter"), ("NVIDIA GeForce GTX 1080", None, "consumer"),
+    ("Quadro RTX 8000", None, "workstation"), ("NVIDIA Foo", "tesla", "datacenter"),
+    ("NVIDIA Foo", "geforcertx", "consumer"),
+    # "nvidia" names data-center and workstation cards alike: not decided
+    ("NVIDIA Foo", "nvidia", None), ("NVIDIA Foo", None, None),
+])
+def test_gpu_product_lines(name, nvml_brand, kind):
+    assert gpu_brand_of(name, nvml_brand) == kind
+
+
+def test_gpu_names_as_nvidia_smi_writes_them_have_a_compute_capability():
+    assert compat.gpu_compute_capability("NVIDIA A100-SXM4-80GB") == "8.0"
+    assert compat.gpu_compute_capability("NVIDIA A10") == "8.6"          # A10, not A100
+    assert compat.gpu_compute_capability("NVIDIA L40S") == "8.9"
+    with pytest.raises(ConfigError):
+        compat.gpu_compute_capability("NVIDIA A1000X")
+
+
+def test_resolve_gpu_brand():
+    h100, rtx = Gpu(0, "NVIDIA H100 80GB HBM3", "9.0"), Gpu(1, "NVIDIA GeForce RTX 4090", "8.9")
+    assert resolve_gpu_brand("auto", (h100,)) == ("datacenter", "detected: NVIDIA H100 80GB HBM3")
+    assert resolve_gpu_brand("auto", (Gpu(0, "NVIDIA Foo", "9.0", "tesla"),))[0] == "datacenter"
+    assert resolve_gpu_brand("auto", (h100, rtx))[0] is None              # mixed: not assumed
+    assert resolve_gpu_brand("auto", ()) == (None, "no GPU detected")
+    assert resolve_gpu_brand("consumer", (h100,)) == ("consumer", "given")
+    assert resolve_gpu_brand("unknown", (h100,))[0] is None
+
+
+def test_pick_takes_forward_compatibility_on_datacenter_gpus_only(plan):
+    h100 = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA H100 80GB HBM3", "9.0"),))
+    tag, why = pick(plan, "qwen3-embed", h100, gpu_brand="datacenter")
+    assert tag == "cu128-sm90"
+    assert why[-1] == "cu128-sm90 runs through forward compatibility: " + FORWARD_12_8.format(
+        kind="datacenter").removesuffix(" (source: FWD; NVCUDA-IMG).").replace("driver branch 535", "driver 535.104.05")
+    assert any(line.startswith("cu130-sm90: CUDA 13.0 needs driver >= 580.65.06, this host has 535.104.05; the "
+                               "knowledge base has no sourced") for line in why)
+    # unknown product line: the newest CUDA the driver runs natively (12.2 is R535's; the matrix has 12.1)
+    assert pick(plan, "qwen3-embed", h100)[0] == "cu121-sm90"
+    rtx = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA GeForce RTX 4090", "8.9"),))
+    tag, why = pick(plan, "qwen3-embed", rtx, gpu_brand="consumer")
+    assert tag == "cu121-sm89"
+    assert any("cu128-sm89: CUDA 12.8 needs driver >= 570.26, this host has 535.104.05; forward compatibility "
+               "(cuda-compat) does not apply" in line for line in why)
+
+
+def test_compat_cli_explains_the_path():
+    result = run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--gpu-brand", "datacenter", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["compatible"] and out["notes"] == [FORWARD_12_8.format(kind="datacenter")]
+    result = run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--gpu-brand", "consumer")
+    assert result.returncode == 3 and "cudaErrorCompatNotSupportedOnDevice (804)" in result.stdout
+    result = run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--gpu-brand", "datacenter")
+    assert result.returncode == 0 and "note: driver branch 535 is below" in result.stdout
+    result = run_mopt("compat", "--cuda", "12.8", "--gpu-brand", "tesla")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_plan_markdown_names_the_forward_branches_for_datacenter_gpus():
+    args = ("plan", "--select", "qwen3-embed:cu128-sm90", "--format", "markdown")
+    with_fwd = run_mopt(*args, "--gpu-brand", "datacenter")
+    assert with_fwd.returncode == 0, with_fwd.stderr
+    assert "| 570.26 (R470/R535/R550/R560/R565 via cuda-compat-12-8) |" in with_fwd.stdout
+    plain = run_mopt(*args, "--gpu-brand", "unknown")
+    assert "| 570.26 |" in plain.stdout and "cuda-compat" not in plain.stdout
+
+
+def _fake_nvidia_smi(tmp_path, line: str) -> dict:
+    """A stand-in nvidia-smi on PATH (no NVIDIA driver can run here) answering doctor's one query."""
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\necho '{line}'\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return {"PATH": f"{tmp_path}:{os.environ['PATH']}"}
+
+
+def test_doctor_detects_the_product_line_and_lists_the_cuda_paths(tmp_path):
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, 9.0, 535.104.05")
+    result = run_mopt("doctor", "--format", "json", env=env)
+    out = json.loads(result.stdout)
+    assert out["gpus"] == [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "cc": "9.0", "sm": "90",
+                            "brand": "datacenter", "nvml_brand": None}]
+    check_ = next(c for c in out["checks"] if c["name"] == "cuda-versions")
+    assert check_["status"] == "ok"
+    assert check_["detail"] == (
+        "product line datacenter (detected: NVIDIA H100 80GB HBM3); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 "
+        "natively; CUDA 12.4, 12.6, 12.8 through forward compatibility (images carry cuda-compat-12-8 and the like)")
+    # the same host told it is a consumer card: native versions only, and a pick of the CUDA 12.1 tag
+    result = run_mopt("doctor", "--format", "json", "--gpu-brand", "consumer", env=env)
+    detail = next(c for c in json.loads(result.stdout)["checks"] if c["name"] == "cuda-versions")["detail"]
+    assert detail == "product line consumer (given); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 natively"
+    assert run_mopt("pick", "qwen3-embed", env=env).stdout.strip() == "mopt/qwen3-embed:cu128-sm90"
+    assert run_mopt("pick", "qwen3-embed", "--gpu-brand", "consumer", env=env).stdout.strip() == \
+        "mopt/qwen3-embed:cu121-sm90"
+
+
+def test_images_carry_the_compat_package_and_say_so(tmp_path):
+    out = tmp_path / "r"
+    result = run_mopt("render", "--select", "qwen3-embed:cu128-sm90", "--select", "minilm-embed:cpu",
+                      "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    cuda = out / "qwen3-embed" / "cu128-sm90"
+    base = (cuda / "Dockerfile.base").read_text()
+    assert "for p in ca-certificates python3 python3-venv cuda-compat-12-8; do" in base
+    final = (cuda / "Dockerfile.final").read_text()
+    assert "ENV MOPT_CUDA_COMPAT_DIR=/usr/local/cuda-12.8/compat \\\n    MOPT_CUDA_MIN_DRIVER=570.26\n" in final
+    assert 'io.mopt.cuda.forward-compat="cuda-compat-12-8"' in final
+    assert 'io.mopt.cuda.forward-compat.branches="470,535,550,560,565"' in final
+    cpu = out / "minilm-embed" / "cpu"
+    assert "cuda-compat" not in (cpu / "Dockerfile.base").read_text()
+    cpu_final = (cpu / "Dockerfile.final").read_text()
+    assert 'io.mopt.cuda.forward-compat="none"' in cpu_final and "MOPT_CUDA_COMPAT_DIR" not in cpu_final
