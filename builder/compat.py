@@ -380,6 +380,9 @@ def _forward_branches(kb: KnowledgeBase, mm: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+_GPU_PHRASE = {"datacenter": "a data-center GPU", "embedded": "an embedded (Jetson) GPU"}
+
+
 @dataclass(frozen=True)
 class DriverPath:
     """How a driver runs an image of a CUDA version: natively (driver >= the toolkit's minimum),
@@ -411,9 +414,10 @@ def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: Knowle
     if gpu_brand in ("datacenter", "embedded") and kinds[gpu_brand] == "yes":
         if supported:
             return DriverPath("forward", floor, (
-                f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {floor}, but a {gpu_brand} GPU runs "
-                f"CUDA {mm} on it through forward compatibility: the image carries {info['package']} and loads it "
-                f"from {info['path']} at start, and its NVIDIA_REQUIRE_CUDA admits brand=tesla on branch {branch}"),
+                f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {floor}, but "
+                f"{_GPU_PHRASE[gpu_brand]} runs CUDA {mm} on it through forward compatibility: the image carries "
+                f"{info['package']} and loads it from {info['path']} at start, and its NVIDIA_REQUIRE_CUDA admits "
+                f"brand=tesla on branch {branch}"),
                 src)
         if info["branches"]:
             why = (f"forward compatibility for CUDA {mm} supports driver branches "

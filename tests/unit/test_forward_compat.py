@@ -21,7 +21,7 @@ from builder.plan import make_plan
 from tests.conftest import REPO, run_mopt
 
 BRANCHES_12_8 = [470, 535, 550, 560, 565]
-FORWARD_12_8 = ("driver branch 535 is below CUDA 12.8's minimum driver 570.26, but a {kind} GPU runs CUDA 12.8 on it "
+FORWARD_12_8 = ("driver branch 535 is below CUDA 12.8's minimum driver 570.26, but {kind} runs CUDA 12.8 on it "
                 "through forward compatibility: the image carries cuda-compat-12-8 and loads it from "
                 "/usr/local/cuda-12.8/compat at start, and its NVIDIA_REQUIRE_CUDA admits brand=tesla on branch 535 "
                 "(source: FWD; NVCUDA-IMG).")
@@ -35,12 +35,13 @@ def plan():
 def test_the_issue_case_a_datacenter_gpu_on_r535_runs_cuda_12_8():
     verdict = check(Combo(cuda="12.8", driver="535", gpu_brand="datacenter"))
     assert verdict.compatible and verdict.reasons == () and verdict.warnings == ()
-    assert verdict.notes == (FORWARD_12_8.format(kind="datacenter"),)
+    assert verdict.notes == (FORWARD_12_8.format(kind="a data-center GPU"),)
     assert verdict.resolved["driver_path"] == "forward"
     assert verdict.resolved["forward_compat"] == {"package": "cuda-compat-12-8", "path": "/usr/local/cuda-12.8/compat",
                                                   "branches": BRANCHES_12_8}
     # Jetson boards are covered too
-    assert check(Combo(cuda="12.8", driver="535.104.05", gpu_brand="embedded")).compatible
+    verdict = check(Combo(cuda="12.8", driver="535", gpu_brand="embedded"))
+    assert verdict.compatible and verdict.notes == (FORWARD_12_8.format(kind="an embedded (Jetson) GPU"),)
 
 
 @pytest.mark.parametrize("brand,tail", [
@@ -130,8 +131,9 @@ def test_pick_takes_forward_compatibility_on_datacenter_gpus_only(plan):
     h100 = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA H100 80GB HBM3", "9.0"),))
     tag, why = pick(plan, "qwen3-embed", h100, gpu_brand="datacenter")
     assert tag == "cu128-sm90"
-    assert why[-1] == "cu128-sm90 runs through forward compatibility: " + FORWARD_12_8.format(
-        kind="datacenter").removesuffix(" (source: FWD; NVCUDA-IMG).").replace("driver branch 535", "driver 535.104.05")
+    expected = FORWARD_12_8.format(kind="a data-center GPU").removesuffix(" (source: FWD; NVCUDA-IMG).")
+    assert why[-1] == ("cu128-sm90 runs through forward compatibility: "
+                       + expected.replace("driver branch 535", "driver 535.104.05"))
     assert any(line.startswith("cu130-sm90: CUDA 13.0 needs driver >= 580.65.06, this host has 535.104.05; the "
                                "knowledge base has no sourced") for line in why)
     # unknown product line: the newest CUDA the driver runs natively (12.2 is R535's; the matrix has 12.1)
@@ -147,7 +149,7 @@ def test_compat_cli_explains_the_path():
     result = run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--gpu-brand", "datacenter", "--format", "json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert out["compatible"] and out["notes"] == [FORWARD_12_8.format(kind="datacenter")]
+    assert out["compatible"] and out["notes"] == [FORWARD_12_8.format(kind="a data-center GPU")]
     result = run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--gpu-brand", "consumer")
     assert result.returncode == 3 and "cudaErrorCompatNotSupportedOnDevice (804)" in result.stdout
     result = run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--gpu-brand", "datacenter")
