@@ -689,7 +689,7 @@ def _check_python_drops(run: _Run, spec: PackageSpec, doc: dict) -> None:
         minors.sort(key=lambda m: int(m.split(".")[1]))
         row = ProposedRow(table, (("package", package), ("python", tuple(minors)), ("dropped_in", _dropped_in(spec, v)),
                                   ("note", f"{spec.name} {v} requires_python {_lower_bound(said)}"),
-                                  ("source", run.source(spec, str(v), "requires_python"))))
+                                  ("proposed", True), ("source", run.source(spec, str(v), "requires_python"))))
         run.add("missing", spec, str(v), "drops",
                 f"{spec.name} {v} dropped Python {', '.join(minors)} (requires_python {said}; {before} admitted "
                 f"{'it' if len(minors) == 1 else 'them'}) and no drops row of {package} says so.", row, True)
@@ -845,9 +845,7 @@ def write_rows(report: Report, kb_path: Path | None = None, today: str | None = 
     stamp = today or datetime.date.today().isoformat()
     for table in dict.fromkeys(r.table for r in rows):
         at, indent = _insert_at(lines, table)
-        marked = all(dict(r.fields).get("proposed") for r in rows if r.table == table)
-        review = "review, then drop `proposed`" if marked else "review (drops rows have no `proposed` mark)"
-        block = [f"{indent}# proposed by mopt kb check {stamp} from index metadata: {review}\n"]
+        block = [f"{indent}# proposed by mopt kb check {stamp} from index metadata: review, then drop `proposed`\n"]
         block += [f"{indent}- {r.yaml()}\n" for r in rows if r.table == table]
         lines[at:at] = block
     text = "".join(lines)

@@ -442,7 +442,8 @@ def test_a_python_drop_the_kb_lacks_is_missing_with_the_row_the_index_gives(inde
     found = drop_findings(report)
     release = PY_DROPS[{"tensorrt_llm": "tensorrt-llm"}.get(package, package)][minor]
     assert [(f.kind, f.version, f.writable) for f in found] == [("missing", release, True)]
-    assert found[0].row.table == ("drops",) and found[0].row.as_dict() == (expected or gone)
+    # the proposed row is the shipped one, marked proposed (for review) like every row kb check writes
+    assert found[0].row.table == ("drops",) and found[0].row.as_dict() == (expected or gone) | {"proposed": True}
     assert f"dropped Python {', '.join(gone['python'])}" in found[0].message
 
 
@@ -465,7 +466,8 @@ def test_a_drop_that_restored_in_ended_does_not_cover_a_later_one(index, tmp_pat
     ended = {"package": "torch", "python": ["3.9"], "dropped_in": "2.4", "restored_in": "2.5", "source": "PYPI-TORCH"}
     kb = make_kb(tmp_path / "kb.yaml", drops=[ended if r == TORCH_39 else r for r in shipped_drops()])
     found = drop_findings(kbcheck.check(kb, index.url, settings=as_default_index(index), today="2026-12-03"))
-    assert [(f.kind, f.version) for f in found] == [("missing", "2.9.0")] and found[0].row.as_dict() == TORCH_39
+    assert [(f.kind, f.version) for f in found] == [("missing", "2.9.0")]
+    assert found[0].row.as_dict() == TORCH_39 | {"proposed": True}
 
 
 @pytest.mark.parametrize("dropped_in, says", [
@@ -504,12 +506,12 @@ def test_write_appends_a_python_drop_that_loads_and_compat_enforces(index, tmp_p
     assert mopt_compat_with(kb, *args).returncode == 0  # nothing says torch 2.9 dropped Python 3.9
     report = kbcheck.check(kb, index.url, settings=as_default_index(index), today="2026-12-03")
     report = kbcheck.write_rows(report, kb, today="2026-12-03")
-    assert [r.as_dict() for r in report.written if r.table == ("drops",)] == [TORCH_39]
+    assert [r.as_dict() for r in report.written if r.table == ("drops",)] == [TORCH_39 | {"proposed": True}]
     text = kb.read_text()
     assert all(line in text.splitlines() for line in before.splitlines())  # appended, nothing rewritten
     assert "# proposed by mopt kb check 2026-12-03 from index metadata: review" in text
     loaded = compat.load_knowledge_base(kb)  # schema and semantics hold
-    assert loaded.rows("drops")[-1] == TORCH_39
+    assert loaded.rows("drops")[-1] == TORCH_39 | {"proposed": True}
     verdict = compat.check(compat.Combo(torch="2.9.0", python="3.9"), loaded)
     assert not verdict.compatible and "torch dropped Python 3.9 in 2.9" in verdict.reasons[0]
     enforced = mopt_compat_with(kb, *args)
