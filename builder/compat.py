@@ -320,16 +320,12 @@ def _gpu_row(name: str, kb: KnowledgeBase) -> dict | None:
     "NVIDIA A100-SXM4-80GB", "Tesla T4", "NVIDIA GeForce RTX 4090" (the longest table name that the
     name is, or starts with before a space or dash)."""
     words = name.upper().split()
-    while words and words[0] in ("NVIDIA", "TESLA", "GEFORCE", "QUADRO"):
+    while words and words[0] in ("NVIDIA", "TESLA", "GEFORCE"):
         words = words[1:]
     want = " ".join(words)
-    best, best_len = None, 0
-    for row in kb.rows("sm", "gpus"):
-        for n in row["names"]:
-            n = n.upper()
-            if (want == n or want.startswith((n + " ", n + "-"))) and len(n) > best_len:
-                best, best_len = row, len(n)
-    return best
+    found = [(len(n), row) for row in kb.rows("sm", "gpus") for n in map(str.upper, row["names"])
+             if want == n or want.startswith((n + " ", n + "-"))]
+    return max(found, key=lambda item: item[0])[1] if found else None
 
 
 def gpu_compute_capability(name: str, kb: KnowledgeBase | None = None) -> str:
@@ -342,15 +338,15 @@ def gpu_compute_capability(name: str, kb: KnowledgeBase | None = None) -> str:
 
 
 def gpu_brand_of(name: str, nvml_brand: str | None = None, kb: KnowledgeBase | None = None) -> str | None:
-    """The product line of a GPU: its sm.gpus row by name, else its NVML brand, else a brand word in
-    its name ("Tesla", "GeForce", "Quadro"); None when none of them tells."""
+    """The product line of a GPU: its sm.gpus row by name, else its NVML brand (as doctor.NVML_BRANDS
+    names it: "tesla", "geforcertx" ...), else a brand word in its name ("Tesla", "GeForce", "Quadro");
+    None when none of them tells."""
     kb = kb or knowledge_base()
     row = _gpu_row(name, kb)
     if row is not None:
         return row["kind"]
     brands = kb.data["cuda"]["forward_compatibility"]["brands"]
-    words = [w.lower() for w in name.split()]
-    for brand in [(nvml_brand or "").strip().lower().replace(" ", "").replace("_", ""), *words]:
+    for brand in ([nvml_brand] if nvml_brand else []) + name.lower().split():
         kind = next((k for k, names in brands.items() if brand in names), None)
         if kind:
             return kind
@@ -545,7 +541,8 @@ def _same_release(a: str, b: str) -> bool:
 
 def _check_trtllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
     ver = combo.tensorrt_llm
-    _drops(ctx, "tensorrt_llm", ver, cuda=cuda or None, sm=combo.sm, python=combo.python)
+    for axis, value in (("cuda", cuda), ("sm", combo.sm), ("python", combo.python)):
+        _dropped(ctx, "tensorrt_llm", ver, axis, value, cuda=cuda)
     row = _unique(ctx, ("tensorrt_llm", "pins"), "tensorrt_llm", ver, "TensorRT-LLM", explicit=True)
     if row is None:
         return
@@ -585,7 +582,8 @@ def _check_trtllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
 
 def _check_vllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
     ver = combo.vllm
-    _drops(ctx, "vllm", ver, cuda=cuda, sm=combo.sm, python=combo.python)
+    for axis, value in (("cuda", cuda), ("sm", combo.sm), ("python", combo.python)):
+        _dropped(ctx, "vllm", ver, axis, value, cuda=cuda)
     row = _unique(ctx, ("vllm", "torch_pins"), "vllm", ver, "vLLM", explicit=True)
     if row is not None:
         pin, src = row["torch"], ctx.kb.source_text(row)
@@ -698,9 +696,10 @@ def _sm_rules(ctx: _Ctx, table: tuple[str, ...], key: str, version: str, what: s
 
 def _check_tensorrt(ctx: _Ctx, trt: str, explicit: bool, cuda: str | None, sm: str | None,
                     python: str | None) -> None:
-    fired = _drops(ctx, "tensorrt", trt, cuda=cuda, sm=None, python=python)
+    _dropped(ctx, "tensorrt", trt, "python", python)
+    dropped = _dropped(ctx, "tensorrt", trt, "cuda", cuda)
     row = _unique(ctx, ("tensorrt", "cuda_builds"), "tensorrt", trt, "TensorRT", explicit=explicit)
-    if row is not None and cuda and row.get("confirmed", True) and "cuda" not in fired:
+    if row is not None and cuda and row.get("confirmed", True) and not dropped:
         src = ctx.kb.source_text(row)
         if in_any(cuda, row["cuda"]):
             pass
@@ -713,8 +712,8 @@ def _check_tensorrt(ctx: _Ctx, trt: str, explicit: bool, cuda: str | None, sm: s
         before = len(ctx.reasons)
         if row is not None:
             _sm_rules(ctx, ("tensorrt", "sm_rules"), "tensorrt", trt, "TensorRT", sm)
-        _drops(ctx, "tensorrt", trt, cuda=cuda, sm=sm, python=None,
-               skip=frozenset({"cuda"} | ({"sm"} if len(ctx.reasons) > before else set())))
+        if len(ctx.reasons) == before:  # its own rows have not refused this sm already
+            _dropped(ctx, "tensorrt", trt, "sm", sm, cuda=cuda)
 
 
 def _torch_local_cuda(torch: str) -> str | None:
@@ -731,7 +730,7 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
     if not explicit and ctx.resolved.get("torch_from") == "tensorrt_llm":
         soft = (f"torch {torch} is implied by the TensorRT-LLM {ctx.resolved.get('tensorrt_llm')} pin, whose "
                 f"releases ship their own torch build, so this is not enforced.")
-    _drops(ctx, "torch", torch, cuda=None, sm=None, python=python, soft=soft)
+    _dropped(ctx, "torch", torch, "python", python, soft=soft)
     local = parse_version(torch).local
     if local == "cpu":
         if cuda:
@@ -743,8 +742,7 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
     matches = kb.match_rows(("torch", "builds"), "torch", torch)
     confirmed = matches[0] if len(matches) == 1 and _variants_confirmed(matches[0]) else None
     restores = frozenset({confirmed["default_cuda"], *confirmed["cuda_variants"]}) if confirmed else frozenset()
-    fired = _drops(ctx, "torch", torch, cuda=cuda, sm=None, python=None, soft=soft, restores=restores)
-    if "cuda" in fired and not soft:
+    if _dropped(ctx, "torch", torch, "cuda", cuda, soft=soft, restores=restores) and not soft:
         return
     row = _unique(ctx, ("torch", "builds"), "torch", torch, "torch", explicit=explicit)
     if row is None:
@@ -765,9 +763,8 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
     if sm:
         before = len(ctx.reasons) + len(ctx.warnings)
         _check_torch_arch(ctx, torch, mm, sm, soft)
-        judged = len(ctx.reasons) + len(ctx.warnings) > before  # the arch lists already spoke of this sm
-        _drops(ctx, "torch", torch, cuda=cuda, sm=sm, python=None, soft=soft,
-               skip=frozenset({"cuda", "sm"} if judged else {"cuda"}))
+        if len(ctx.reasons) + len(ctx.warnings) == before:  # the arch lists have not spoken of this sm
+            _dropped(ctx, "torch", torch, "sm", sm, cuda=cuda, soft=soft)
 
 
 def _variants_confirmed(row: Mapping[str, Any]) -> bool:
@@ -779,40 +776,51 @@ _PACKAGE_NAMES = {"torch": "torch", "vllm": "vLLM", "tensorrt": "TensorRT", "ten
 
 def _from_on(version: str, start: str) -> bool:
     """version >= start by release ("2.9" covers 2.9.0 and 2.9.1; 2.8.1 is before it)."""
-    a, b = release(version), release(start)
-    n = max(len(a), len(b))
-    return a + (0,) * (n - len(a)) >= b + (0,) * (n - len(b))
+    return compare_versions(".".join(map(str, release(version))), start) >= 0
 
 
-def _drops(ctx: _Ctx, package: str, version: str, *, cuda: str | None, sm: str | None, python: str | None,
-           soft: str = "", skip: frozenset[str] = frozenset(), restores: frozenset[str] = frozenset()) -> set[str]:
-    """Reject each line `package` dropped before `version` (the KB's drops, inherited by every later
-    version) that the combination uses; returns the axes reported. `skip`: axes already judged by
-    the package's own rows; `restores`: CUDA lines a confirmed row of this version lists again."""
+def _covers(axis: str, row: Mapping[str, Any], value: str) -> str | None:
+    """The line of `row` that `value` is on, as a reason names it ("CUDA 12", "sm_70", "Python 3.9"); None
+    when the row drops another line."""
+    if axis == "cuda":
+        line = release(row["cuda"])
+        return f"CUDA {row['cuda']}" if release(value)[:len(line)] == line else None
+    if axis == "sm":
+        return f"sm_{value.rstrip('a')}" if value.rstrip("a") in row["sm"] else None
+    return f"Python {major_minor(value)}" if major_minor(value) in row["python"] else None
+
+
+_DROPPED_TAIL = {"cuda": "has no CUDA {mm} build", "sm": "does not support sm_{value}",
+                 "python": "does not support Python {value}"}
+
+
+def _dropped(ctx: _Ctx, package: str, version: str, axis: str, value: str | None, *, cuda: str | None = None,
+             soft: str = "", restores: frozenset[str] = frozenset()) -> bool:
+    """Report each `axis` line (cuda, sm or python) that `package` dropped at or before `version` (the KB's
+    drops, inherited by every later version) and `value` is on; True when one was. `cuda`: the CUDA of
+    the build, for drops limited to some builds (when_cuda); `restores`: CUDA lines a confirmed row of
+    this version lists again."""
+    if not value or (axis == "cuda" and major_minor(value) in restores):
+        return False
     what = _PACKAGE_NAMES[package]
-    fired: set[str] = set()
+    found = False
     for row in ctx.kb.rows("drops"):
-        if row["package"] != package or not _from_on(version, row["dropped_in"]):
+        if row["package"] != package or axis not in row or not _from_on(version, row["dropped_in"]):
             continue
         if row.get("restored_in") and _from_on(version, row["restored_in"]):
             continue
         if row.get("when_cuda") and not (cuda and in_any(cuda, row["when_cuda"])):
             continue
-        note = f" ({row['note']})" if row.get("note") else ""
-        head = f"{what} dropped {{}} in {row['dropped_in']} and a dropped line does not come back: {what} {version}"
-        if "cuda" in row and cuda and "cuda" not in skip and major_minor(cuda) not in restores \
-                and release(cuda)[:len(release(row["cuda"]))] == release(row["cuda"]):
-            axis, msg = "cuda", head.format(f"CUDA {row['cuda']}") + f" has no CUDA {major_minor(cuda)} build"
-        elif "sm" in row and sm and "sm" not in skip and sm.rstrip("a") in row["sm"]:
-            builds = f" from its builds for CUDA {row['when_cuda']}" if row.get("when_cuda") else ""
-            axis, msg = "sm", head.format(f"sm_{sm.rstrip('a')}{builds}") + f" does not support sm_{sm}"
-        elif "python" in row and python and major_minor(python) in row["python"]:
-            axis, msg = "python", head.format(f"Python {major_minor(python)}") + f" does not support Python {python}"
-        else:
+        line = _covers(axis, row, value)
+        if line is None:
             continue
-        ctx.fact(row, f"{msg}{note} {ctx.kb.source_text(row)}.", soft=soft)
-        fired.add(axis)
-    return fired
+        builds = f" from its builds for CUDA {row['when_cuda']}" if row.get("when_cuda") else ""
+        note = f" ({row['note']})" if row.get("note") else ""
+        tail = _DROPPED_TAIL[axis].format(mm=major_minor(value) if axis == "cuda" else "", value=value)
+        ctx.fact(row, f"{what} dropped {line}{builds} in {row['dropped_in']} and a dropped line does not come "
+                      f"back: {what} {version} {tail}{note} {ctx.kb.source_text(row)}.", soft=soft)
+        found = True
+    return found
 
 
 def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> None:
@@ -849,8 +857,6 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
         value = getattr(combo, name)
         if value is not None:
             parse_version(value)
-    if combo.python is not None:
-        parse_version(combo.python)
     if combo.gpu_brand is not None and combo.gpu_brand not in GPU_BRANDS:
         raise ConfigError(f"GPU brand {combo.gpu_brand!r}: expected one of {', '.join(GPU_BRANDS)}")
     combo = Combo(cuda=cuda, sm=sm, driver=driver, tensorrt=combo.tensorrt, tensorrt_llm=combo.tensorrt_llm,

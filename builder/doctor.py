@@ -135,10 +135,11 @@ def cuda_paths_check(driver: str | None, brand: tuple[str | None, str]) -> Check
     """Which CUDA versions of the knowledge base this driver runs natively, and which through forward
     compatibility (a data-center GPU and a supported branch), for the GPU's product line."""
     kind, how = brand
+    if not driver:
+        return Check("cuda-versions", "warn", "the driver did not report its version: the CUDA versions it runs "
+                                              "are unknown", "nvidia-smi should print the driver version")
     native, forward, none = [], [], []
     for row in compat.knowledge_base().rows("cuda", "toolkits"):
-        if not driver:
-            break
         way = compat.driver_path(row["version"], driver, kind)
         {"native": native, "forward": forward}.get(way.path, none).append(row["version"])
     detail = (f"product line {kind or 'unknown'} ({how}); driver {driver}: CUDA {', '.join(native) or 'none'} "

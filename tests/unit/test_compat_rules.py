@@ -893,3 +893,55 @@ def test_drops_are_validated():
     with pytest.raises(ConfigError, match="drops"):
         compat._validate_semantics(_drop(package="torch", sm=["70"], dropped_in="2.9", when_cuda=">>12",
                                          source="TORCH-IDX").data, "f.yaml")
+
+
+@pytest.mark.parametrize("row,combo,reason", [
+    # every package checks every kind of line (rows the shipped KB has no example of), word for word, and a row
+    # without a note says none
+    (dict(package="tensorrt_llm", cuda="12.8", dropped_in="1.0"), dict(tensorrt_llm="1.0", cuda="12.8"),
+     "TensorRT-LLM dropped CUDA 12.8 in 1.0 and a dropped line does not come back: TensorRT-LLM 1.0 has no CUDA 12.8 "
+     "build (source: X)."),
+    (dict(package="tensorrt_llm", sm=["90"], dropped_in="1.0"), dict(tensorrt_llm="1.0", sm="90"),
+     "TensorRT-LLM dropped sm_90 in 1.0 and a dropped line does not come back: TensorRT-LLM 1.0 does not support "
+     "sm_90 (source: X)."),
+    (dict(package="vllm", cuda="13", dropped_in="0.26.0"), dict(vllm="0.26.0", cuda="13.0"),
+     "vLLM dropped CUDA 13 in 0.26.0 and a dropped line does not come back: vLLM 0.26.0 has no CUDA 13.0 build "
+     "(source: X)."),
+    (dict(package="vllm", sm=["80"], dropped_in="0.26.0"), dict(vllm="0.26.0", cuda="13.0", sm="80"),
+     "vLLM dropped sm_80 in 0.26.0 and a dropped line does not come back: vLLM 0.26.0 does not support sm_80 "
+     "(source: X)."),
+    (dict(package="tensorrt", python=["3.10"], dropped_in="10.14"),
+     dict(tensorrt="10.14.1", cuda="13.0", python="3.10"),
+     "TensorRT dropped Python 3.10 in 10.14 and a dropped line does not come back: TensorRT 10.14.1 does not support "
+     "Python 3.10 (source: X)."),
+    # an arch-specific target is on its base's line
+    (dict(package="torch", sm=["90"], dropped_in="2.11"), dict(torch="2.11.0", cuda="13.0", sm="90a"),
+     "torch dropped sm_90 in 2.11 and a dropped line does not come back: torch 2.11.0 does not support sm_90a "
+     "(source: X)."),
+])
+def test_every_package_checks_every_kind_of_line(row, combo, reason):
+    kb = _edited(lambda d: d["drops"].append(row | {"source": "X"}))
+    assert reason in _verdict(kb, **combo)[0]
+    assert reason not in _verdict(**combo)[0]
+
+
+def test_a_drop_starts_at_its_release():
+    # 0.26 is 0.26.0, before a drop in 0.26.1; 0.26.1 and later inherit it
+    kb = _drop(package="vllm", python=["3.11"], dropped_in="0.26.1")
+    assert not any("dropped Python" in r for r in _verdict(kb, vllm="0.26", python="3.11")[0])
+    assert any("dropped Python 3.11 in 0.26.1" in r for r in _verdict(kb, vllm="0.26.1", python="3.11")[0])
+    assert any("dropped Python 3.11 in 0.26.1" in r for r in _verdict(kb, vllm="0.27.0", python="3.11")[0])
+
+
+@pytest.mark.parametrize("row,message", [
+    (dict(package="torch", cuda="12.5", dropped_in="2.9", restored_in="2.8"),
+     "f.yaml: drops[16].restored_in: restored_in 2.8 is not after dropped_in 2.9"),
+    (dict(package="torch", cuda="12.5", dropped_in="2.9", restored_in="2.9"),
+     "f.yaml: drops[16].restored_in: restored_in 2.9 is not after dropped_in 2.9"),
+    (dict(package="torch", sm=["70"], dropped_in="2.9", when_cuda=">>12"),
+     "f.yaml: drops[16].when_cuda: not a version: '>12'"),
+])
+def test_drops_errors_name_the_file_and_the_row(row, message):
+    with pytest.raises(ConfigError) as exc:
+        compat._validate_semantics(_drop(source="TORCH-IDX", **row).data, "f.yaml")
+    assert str(exc.value) == message

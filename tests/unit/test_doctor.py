@@ -42,12 +42,25 @@ def test_pick_without_cpu_variant_is_incompatible(plan):
     facts = HostFacts(driver="470.82.01", gpus=(Gpu(0, "NVIDIA A10", "8.6"),))
     with pytest.raises(Exception) as exc:
         pick(plan, "qwen3-embed", facts, "vllm")
-    assert exc.value.exit_code == 3 and "no published tag of qwen3-embed fits" in str(exc.value)
+    assert exc.value.exit_code == 3 and exc.value.message == (
+        "no published tag of qwen3-embed fits this host: cu128-sm86-vllm: CUDA 12.8 needs driver >= 570.26, this "
+        "host has 470.82.01; the GPU's product line is unknown, so forward compatibility is not assumed; on a "
+        "data-center GPU it would run through forward compatibility (cuda-compat-12-8): give --gpu-brand datacenter "
+        "if it is one (source: FWD; NVCUDA-IMG); cu130-sm86-vllm: CUDA 13.0 needs driver >= 580.65.06, this host has "
+        "470.82.01")
+    with pytest.raises(Exception) as exc:
+        pick(plan, "qwen3-embed", HostFacts(), "vllm")
+    assert exc.value.message == ("no published tag of qwen3-embed fits this host: no NVIDIA GPU on this host and "
+                                 "the image has no cpu variant")
 
 
 def test_pick_unknown_image(plan):
-    with pytest.raises(ConfigError, match="not in the matrix"):
+    with pytest.raises(ConfigError) as exc:
         pick(plan, "nope", HostFacts())
+    assert exc.value.message == "image 'nope' is not in the matrix (images: minilm-embed, qwen3-chat, qwen3-embed)"
+    with pytest.raises(ConfigError) as exc:
+        pick(plan, "qwen3-embed", HostFacts(), "nope")
+    assert exc.value.message == "image 'qwen3-embed' has no flavour 'nope'"
 
 
 def test_overrides_from_gpu_name_and_sm():

@@ -211,3 +211,120 @@ def test_images_carry_the_compat_package_and_say_so(tmp_path):
     assert "cuda-compat" not in (cpu / "Dockerfile.base").read_text()
     cpu_final = (cpu / "Dockerfile.final").read_text()
     assert 'io.mopt.cuda.forward-compat="none"' in cpu_final and "MOPT_CUDA_COMPAT_DIR" not in cpu_final
+
+
+# ------------------------------------------------------------------------------ every branch, word for word
+
+FWD_SRC = "(source: FWD; NVCUDA-IMG)"
+
+
+def test_driver_path_values():
+    from builder.compat import DriverPath
+
+    assert driver_path("12.8", "570.26") == DriverPath("native", "570.26", "driver 570.26 meets CUDA 12.8's minimum "
+                                                                          "driver 570.26")
+    # a branch is compared as a branch: 570 is CUDA 12.8's floor branch (570.26), so it is native
+    assert driver_path("12.8", "570").path == "native"
+    assert driver_path("12.8", "530", "datacenter") == DriverPath(
+        "none", "570.26", "forward compatibility for CUDA 12.8 supports driver branches 470, 535, 550, 560, 565, "
+                          f"not 530 {FWD_SRC}", FWD_SRC)
+    assert driver_path("12.8", "535", "consumer") == DriverPath(
+        "none", "570.26", "forward compatibility (cuda-compat) does not apply: it works only on data-center GPUs; a "
+                          f"consumer GPU fails with cudaErrorCompatNotSupportedOnDevice (804) {FWD_SRC}", FWD_SRC)
+    assert driver_path("12.8", "535") == DriverPath(
+        "none", "570.26", "the GPU's product line is unknown, so forward compatibility is not assumed; on a "
+                          "data-center GPU it would run through forward compatibility (cuda-compat-12-8): give --gpu-brand "
+                          f"datacenter if it is one {FWD_SRC}", FWD_SRC)
+    assert driver_path("12.8", "520", "datacenter") == DriverPath(
+        "none", "570.26", "forward compatibility for CUDA 12.8 supports driver branches 470, 535, 550, 560, 565, "
+                          f"not 520 {FWD_SRC}", FWD_SRC)
+    assert driver_path("12.8", "520") == DriverPath("none", "570.26", "")
+    forward = driver_path("12.8", "535", "datacenter")
+    assert (forward.path, forward.min_driver, forward.source) == ("forward", "570.26", FWD_SRC)
+    assert forward_compat("12.8.1")["package"] == "cuda-compat-12-8"
+
+
+@pytest.mark.parametrize("cuda,message", [
+    ("12.7", "CUDA 12.7 does not exist: NVIDIA released no CUDA 12.7 (12.6 was followed by 12.8) (source: RN13.2 "
+             "Table 3)."),
+    ("13.3", "CUDA 13.3: CUDA 13.3 and later are not in the sourced release-notes table; minimum driver unknown "
+             "(source: RN13.2 Table 3)."),
+])
+def test_driver_path_of_a_cuda_without_a_minimum_driver(cuda, message):
+    from builder.errors import IncompatibleError
+
+    with pytest.raises(IncompatibleError) as exc:
+        driver_path(cuda, "535", "datacenter")
+    assert exc.value.message == message
+
+
+def test_the_knowledge_base_given_is_the_one_read():
+    """An edited knowledge base (here: NVIDIA admits branch 530 for CUDA 12.8) decides, not the packaged one."""
+    def edit(d):
+        row = next(r for r in d["cuda"]["container_requirement"]["rows"] if r["cuda"] == "12.8")
+        row["clauses"] = [{"brands": ["tesla"], "branches": [530]}]
+    import copy
+
+    data = copy.deepcopy(compat.knowledge_base().data)
+    edit(data)
+    kb = compat.KnowledgeBase(data=data, path="edited/compat.yaml")
+    verdict = check(Combo(cuda="12.8", driver="530", gpu_brand="datacenter"), kb)
+    assert verdict.compatible and verdict.resolved["forward_compat"]["branches"] == [530]
+    assert not check(Combo(cuda="12.8", driver="535", gpu_brand="datacenter"), kb).compatible
+
+
+def test_a_bad_gpu_brand_names_the_choices():
+    with pytest.raises(ConfigError) as exc:
+        check(Combo(gpu_brand="geforce"))
+    assert exc.value.message == "GPU brand 'geforce': expected one of datacenter, workstation, consumer, embedded"
+
+
+def test_gpu_names_with_a_brand_word_first():
+    assert compat.gpu_compute_capability("Tesla T4") == "7.5"
+    assert compat.gpu_compute_capability("NVIDIA GeForce RTX 4090") == "8.9"
+    assert compat.gpu_compute_capability("NVIDIA RTX 4060 Laptop GPU") == "8.9"  # the longer name of the two
+
+
+def test_resolve_gpu_brand_explains_itself():
+    assert resolve_gpu_brand("unknown", ()) == (None, "given as unknown")
+    assert resolve_gpu_brand("auto", (Gpu(0, "NVIDIA Foo", "9.0", "tesla"),)) == (
+        "datacenter", "detected: NVIDIA Foo (NVML brand tesla)")
+    assert resolve_gpu_brand("auto", (Gpu(0, "NVIDIA H100", "9.0"), Gpu(1, "NVIDIA GeForce RTX 4090", "8.9"))) == (
+        None, "detected GPUs of unknown or mixed product lines: NVIDIA H100, NVIDIA GeForce RTX 4090")
+
+
+def test_doctor_cuda_paths_check():
+    from builder.doctor import Check, cuda_paths_check
+
+    assert cuda_paths_check("535.104.05", ("datacenter", "given")) == Check(
+        "cuda-versions", "ok", "product line datacenter (given); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 "
+                               "natively; CUDA 12.4, 12.6, 12.8 through forward compatibility (images carry "
+                               "cuda-compat-12-8 and the like)")
+    assert cuda_paths_check("535.104.05", (None, "no GPU detected")) == Check(
+        "cuda-versions", "ok", "product line unknown (no GPU detected); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 "
+                               "natively",
+        "if this is a data-center GPU, pass --gpu-brand datacenter to see its forward-compatible CUDA versions")
+    # a consumer card: nothing forward, no hint
+    assert cuda_paths_check("535.104.05", ("consumer", "given")).fix == ""
+    # a driver older than every toolkit of the knowledge base
+    assert cuda_paths_check("450.80.02", ("consumer", "given")) == Check(
+        "cuda-versions", "warn", "product line consumer (given); driver 450.80.02: CUDA none natively")
+    assert cuda_paths_check(None, ("datacenter", "given")) == Check(
+        "cuda-versions", "warn", "the driver did not report its version: the CUDA versions it runs are unknown",
+        "nvidia-smi should print the driver version")
+
+
+def test_pick_lines_word_for_word(plan):
+    h100 = Gpu(0, "NVIDIA H100 80GB HBM3", "9.0")
+    # no driver reported: every tag of the arch fits, the newest CUDA wins
+    assert pick(plan, "qwen3-embed", HostFacts(driver=None, gpus=(h100,)), gpu_brand="datacenter") == (
+        "cu130-sm90", [])
+    # a branch no forward compatibility could change: the reason names the floor and nothing more
+    tag, why = pick(plan, "qwen3-embed", HostFacts(driver="520.61.05", gpus=(h100,)))
+    assert tag == "cpu" and "cu128-sm90: CUDA 12.8 needs driver >= 570.26, this host has 520.61.05" in why
+    assert why[-1] == "no GPU tag fits this host: using the cpu variant"
+    tag, why = pick(plan, "qwen3-embed", HostFacts(driver="535", gpus=(Gpu(0, "NVIDIA P40", "6.1"),)))
+    assert (tag, why) == ("cpu", [
+        "no tag is built for sm_61 (engines are tied to the GPU arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, "
+        "sm_100, sm_120)", "no GPU tag fits this host: using the cpu variant"])
+    assert pick(plan, "qwen3-embed", HostFacts()) == ("cpu", ["no GPU on this host: using the cpu variant"])
