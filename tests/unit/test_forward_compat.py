@@ -233,8 +233,8 @@ def test_driver_path_values():
                           f"consumer GPU fails with cudaErrorCompatNotSupportedOnDevice (804) {FWD_SRC}", FWD_SRC)
     assert driver_path("12.8", "535") == DriverPath(
         "none", "570.26", "the GPU's product line is unknown, so forward compatibility is not assumed; on a "
-                          "data-center GPU it would run through forward compatibility (cuda-compat-12-8): give --gpu-brand "
-                          f"datacenter if it is one {FWD_SRC}", FWD_SRC)
+                          "data-center GPU it would run through forward compatibility (cuda-compat-12-8): give "
+                          f"--gpu-brand datacenter if it is one {FWD_SRC}", FWD_SRC)
     assert driver_path("12.8", "520", "datacenter") == DriverPath(
         "none", "570.26", "forward compatibility for CUDA 12.8 supports driver branches 470, 535, 550, 560, 565, "
                           f"not 520 {FWD_SRC}", FWD_SRC)
