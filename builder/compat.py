@@ -323,9 +323,10 @@ def _gpu_row(name: str, kb: KnowledgeBase) -> dict | None:
     while words and words[0] in ("NVIDIA", "TESLA", "GEFORCE"):
         words = words[1:]
     want = " ".join(words)
-    found = [(len(n), row) for row in kb.rows("sm", "gpus") for n in map(str.upper, row["names"])
-             if want == n or want.startswith((n + " ", n + "-"))]
-    return max(found, key=lambda item: item[0])[1] if found else None
+    rows = {n.upper(): row for row in kb.rows("sm", "gpus") for n in row["names"]}
+    hits = [n for n in rows if want == n or want.startswith((n + " ", n + "-"))]
+    # every hit is a prefix of `want`, so the greatest is the longest
+    return rows[max(hits)] if hits else None
 
 
 def gpu_compute_capability(name: str, kb: KnowledgeBase | None = None) -> str:
@@ -346,7 +347,7 @@ def gpu_brand_of(name: str, nvml_brand: str | None = None, kb: KnowledgeBase | N
     if row is not None:
         return row["kind"]
     brands = kb.data["cuda"]["forward_compatibility"]["brands"]
-    for brand in ([nvml_brand] if nvml_brand else []) + name.lower().split():
+    for brand in (nvml_brand, *name.lower().split()):
         kind = next((k for k, names in brands.items() if brand in names), None)
         if kind:
             return kind
@@ -779,19 +780,21 @@ def _from_on(version: str, start: str) -> bool:
     return compare_versions(".".join(map(str, release(version))), start) >= 0
 
 
-def _covers(axis: str, row: Mapping[str, Any], value: str) -> str | None:
-    """The line of `row` that `value` is on, as a reason names it ("CUDA 12", "sm_70", "Python 3.9"); None
-    when the row drops another line."""
+def _covers(axis: str, row: Mapping[str, Any], value: str) -> tuple[str, str] | None:
+    """(the dropped line, what that means for the version) when `value` is on the line `row` drops, as a
+    reason names them: ("CUDA 12", "has no CUDA 12.8 build"), ("sm_90", "does not support sm_90a"),
+    ("Python 3.9", "does not support Python 3.9.7"); None when the row drops another line."""
     if axis == "cuda":
         line = release(row["cuda"])
-        return f"CUDA {row['cuda']}" if release(value)[:len(line)] == line else None
-    if axis == "sm":
-        return f"sm_{value.rstrip('a')}" if value.rstrip("a") in row["sm"] else None
-    return f"Python {major_minor(value)}" if major_minor(value) in row["python"] else None
-
-
-_DROPPED_TAIL = {"cuda": "has no CUDA {mm} build", "sm": "does not support sm_{value}",
-                 "python": "does not support Python {value}"}
+        if release(value)[:len(line)] == line:
+            return f"CUDA {row['cuda']}", f"has no CUDA {major_minor(value)} build"
+    elif axis == "sm":
+        base = value.removesuffix("a")  # an arch-specific target is on its base's line
+        if base in row["sm"]:
+            return f"sm_{base}", f"does not support sm_{value}"
+    elif major_minor(value) in row["python"]:
+        return f"Python {major_minor(value)}", f"does not support Python {value}"
+    return None
 
 
 def _dropped(ctx: _Ctx, package: str, version: str, axis: str, value: str | None, *, cuda: str | None = None,
@@ -803,7 +806,7 @@ def _dropped(ctx: _Ctx, package: str, version: str, axis: str, value: str | None
     if not value or (axis == "cuda" and major_minor(value) in restores):
         return False
     what = _PACKAGE_NAMES[package]
-    found = False
+    reported = []
     for row in ctx.kb.rows("drops"):
         if row["package"] != package or axis not in row or not _from_on(version, row["dropped_in"]):
             continue
@@ -811,16 +814,15 @@ def _dropped(ctx: _Ctx, package: str, version: str, axis: str, value: str | None
             continue
         if row.get("when_cuda") and not (cuda and in_any(cuda, row["when_cuda"])):
             continue
-        line = _covers(axis, row, value)
-        if line is None:
+        covered = _covers(axis, row, value)
+        if covered is None:
             continue
         builds = f" from its builds for CUDA {row['when_cuda']}" if row.get("when_cuda") else ""
         note = f" ({row['note']})" if row.get("note") else ""
-        tail = _DROPPED_TAIL[axis].format(mm=major_minor(value) if axis == "cuda" else "", value=value)
-        ctx.fact(row, f"{what} dropped {line}{builds} in {row['dropped_in']} and a dropped line does not come "
-                      f"back: {what} {version} {tail}{note} {ctx.kb.source_text(row)}.", soft=soft)
-        found = True
-    return found
+        reported.append(f"{what} dropped {covered[0]}{builds} in {row['dropped_in']} and a dropped line does not "
+                        f"come back: {what} {version} {covered[1]}{note} {ctx.kb.source_text(row)}.")
+        ctx.fact(row, reported[-1], soft=soft)
+    return bool(reported)
 
 
 def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> None:

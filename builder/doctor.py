@@ -15,7 +15,7 @@ from pathlib import Path
 from . import compat
 from .errors import ConfigError, IncompatibleError
 from .plan import Plan
-from .versions import cc_to_sm, parse_version
+from .versions import cc_to_sm, parse_version, sm_major_minor
 
 MIN_SHM_MIB = 1024
 MIN_FREE_GIB = 20
@@ -224,8 +224,8 @@ def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = 
         sms = {g.sm for g in facts.gpus}
         same_arch = [v for v in variants if v.device == "cuda" and v.resolved.get("sm") in sms]
         if not same_arch:
-            built = sorted({v.resolved["sm"] for v in variants if v.device == "cuda"}, key=lambda s: int(s[:3]))
-            why_not.append(f"no tag is built for {', '.join('sm_' + s for s in sorted(sms))} "
+            built = sorted({v.resolved["sm"] for v in variants if v.device == "cuda"}, key=sm_major_minor)
+            why_not.append(f"no tag is built for {', '.join('sm_' + s for s in sorted(sms, key=sm_major_minor))} "
                            f"(engines are tied to the GPU arch; built: {', '.join('sm_' + s for s in built)})")
         fits, forward = [], {}
         for v in same_arch:

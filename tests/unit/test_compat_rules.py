@@ -945,3 +945,50 @@ def test_drops_errors_name_the_file_and_the_row(row, message):
     with pytest.raises(ConfigError) as exc:
         compat._validate_semantics(_drop(source="TORCH-IDX", **row).data, "f.yaml")
     assert str(exc.value) == message
+
+
+@pytest.mark.parametrize("package,combo,fires", [
+    # a drop limited to some CUDA builds (when_cuda) applies with those only, for every package
+    ("tensorrt", dict(tensorrt="10.14.1", cuda="13.0", sm="90"), True),
+    ("tensorrt", dict(tensorrt="10.14.1", cuda="12.8", sm="90"), False),
+    ("vllm", dict(vllm="0.26.0", cuda="13.0", sm="90"), True),
+    ("vllm", dict(vllm="0.26.0", cuda="12.8", sm="90"), False),
+    ("tensorrt_llm", dict(tensorrt_llm="1.1", cuda="13.0", sm="90"), True),
+    ("tensorrt_llm", dict(tensorrt_llm="1.0", cuda="12.8", sm="90"), False),
+])
+def test_a_drop_of_some_cuda_builds_applies_to_those(package, combo, fires):
+    kb = _drop(package=package, sm=["90"], dropped_in="0.1", when_cuda=">=13")
+    said = [r for r in _verdict(kb, **combo)[0] if "dropped sm_90 from its builds for CUDA >=13" in r]
+    assert len(said) == fires
+
+
+def test_a_torch_the_tensorrt_llm_pin_implies_is_warned_about_python_and_sm_drops():
+    soft = " torch 2.9.0 is implied by the TensorRT-LLM 1.1 pin, whose releases ship their own torch build, so " \
+           "this is not enforced."
+    reasons, warnings = _verdict(tensorrt_llm="1.1", python="3.9")
+    assert reasons == ("TensorRT-LLM dropped Python 3.9 in 1.1.0 and a dropped line does not come back: TensorRT-LLM "
+                       "1.1 does not support Python 3.9 (tensorrt-llm 1.1.0 requires_python >=3.10) (source: "
+                       "PYPI-TRTLLM requires_python of tensorrt-llm 1.1.0 (pypi.org JSON API, read 2026-12-03)).",)
+    assert warnings == ("torch dropped Python 3.9 in 2.9 and a dropped line does not come back: torch 2.9.0 does "
+                        "not support Python 3.9 (torch 2.9.0 requires_python >=3.10) (source: PYPI-TORCH "
+                        "requires_python of torch 2.9.0 (pypi.org JSON API, read 2026-12-03))." + soft,)
+    assert _verdict(tensorrt_llm="1.1", sm="70")[1] == (
+        "torch dropped sm_70 from its builds for CUDA >=12.8 in 2.8 and a dropped line does not come back: torch 2.9.0 "
+        "does not support sm_70 (2.8 cu128/cu129 wheels dropped sm_50-sm_70; 2.11 cu128/cu130 start at sm_75) "
+        "(source: TORCH-RN)." + soft,)
+
+
+def test_a_row_that_does_not_apply_does_not_hide_a_later_one():
+    # an ended drop (restored_in) and a drop of other builds (when_cuda), each followed by one that applies
+    def rows(d):
+        d["drops"] += [{"package": "vllm", "python": ["3.11"], "dropped_in": "0.20.0", "restored_in": "0.21.0",
+                        "source": "X"},
+                       {"package": "vllm", "python": ["3.11"], "dropped_in": "0.25.0", "source": "Y"},
+                       {"package": "vllm", "sm": ["90"], "dropped_in": "0.1", "when_cuda": ">=14", "source": "X"},
+                       {"package": "vllm", "sm": ["90"], "dropped_in": "0.1", "source": "Y"}]
+    reasons = _verdict(_edited(rows), vllm="0.26.0", python="3.11", cuda="13.0", sm="90")[0]
+    assert [r for r in reasons if r.endswith("(source: Y).")] == [
+        "vLLM dropped sm_90 in 0.1 and a dropped line does not come back: vLLM 0.26.0 does not support sm_90 "
+        "(source: Y).",
+        "vLLM dropped Python 3.11 in 0.25.0 and a dropped line does not come back: vLLM 0.26.0 does not support Python "
+        "3.11 (source: Y)."]
