@@ -328,5 +328,6 @@ def test_pick_lines_word_for_word(plan):
         "no tag is built for sm_61 (engines are tied to the GPU arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, "
         "sm_100, sm_120)", "no GPU tag fits this host: using the cpu variant"])
     assert pick(plan, "qwen3-embed", HostFacts()) == ("cpu", ["no GPU on this host: using the cpu variant"])
-    two = HostFacts(driver="535", gpus=(Gpu(0, "NVIDIA P40", "6.1"), Gpu(1, "NVIDIA M40", "5.2")))
-    assert pick(plan, "qwen3-embed", two)[1][0].startswith("no tag is built for sm_52, sm_61 (engines")
+    # the GPUs' archs in compute-capability order (sm_110 after sm_61, not before it as text)
+    two = HostFacts(driver="535", gpus=(Gpu(0, "Jetson Thor", "11.0"), Gpu(1, "NVIDIA P40", "6.1")))
+    assert pick(plan, "qwen3-embed", two)[1][0].startswith("no tag is built for sm_61, sm_110 (engines")
