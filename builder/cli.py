@@ -85,13 +85,15 @@ sign_key_option = click.option(
     help="PEM private key (ECDSA P-256 or Ed25519): sign each published image's SBOM and provenance and attach "
          "them to its digest in the registry (check with mopt verify).")
 
-gpu_brand_option = click.option(
-    "--gpu-brand", "gpu_brand", type=click.Choice(["auto", "datacenter", "workstation", "consumer", "embedded",
-                                                   "unknown"]),
-    default="auto", show_default=True,
-    help="The GPU's product line, for driver checks: a data-center (or Jetson) GPU runs newer CUDA images on "
-         "older driver branches through forward compatibility (cuda-compat); consumer GPUs do not. auto: "
-         "detected through NVML (or nvidia-smi's GPU name) where a GPU is present, else unknown.")
+_GPU_BRANDS = ["auto", "datacenter", "workstation", "consumer", "embedded", "unknown"]
+_GPU_BRAND_HELP = ("The GPU's product line, for driver checks: a data-center (or Jetson) GPU runs newer CUDA images "
+                   "on older driver branches through forward compatibility (cuda-compat); consumer GPUs do not. "
+                   "auto: detected through NVML (or nvidia-smi's GPU name) where a GPU is present, else unknown.")
+gpu_brand_option = click.option("--gpu-brand", "gpu_brand", type=click.Choice(_GPU_BRANDS), default="auto",
+                                show_default=True, help=_GPU_BRAND_HELP)
+# plan describes what to build: the same on every machine unless asked (no detection by default)
+plan_gpu_brand_option = click.option("--gpu-brand", "gpu_brand", type=click.Choice(_GPU_BRANDS), default="unknown",
+                                     show_default=True, help=_GPU_BRAND_HELP)
 
 format_option = click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table",
                              show_default=True)
@@ -143,7 +145,7 @@ def _plan_markdown(result, choices, brand: str | None = None) -> str:
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "markdown"]), default="table",
               show_default=True, help="markdown: a GitHub-flavoured table for a CI job summary.")
 @models_option
-@gpu_brand_option
+@plan_gpu_brand_option
 def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str, gpu_brand: str) -> None:
     """Expand the matrix into variants; list rejected combinations with their reasons, and the images a
     build would give a substitute model (tagged TAG-substitute), and why. With a data-center --gpu-brand,

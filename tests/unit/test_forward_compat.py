@@ -167,6 +167,14 @@ def test_plan_markdown_names_the_forward_branches_for_datacenter_gpus():
     assert "| 570.26 |" in plain.stdout and "cuda-compat" not in plain.stdout
 
 
+def test_plan_is_the_same_on_every_machine_unless_asked_to_detect(tmp_path):
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, 9.0, 535.104.05")
+    args = ("plan", "--select", "qwen3-embed:cu128-sm90", "--format", "markdown")
+    assert "| 570.26 |" in run_mopt(*args, env=env).stdout
+    assert "| 570.26 (R470/R535/R550/R560/R565 via cuda-compat-12-8) |" in run_mopt(*args, "--gpu-brand", "auto",
+                                                                                     env=env).stdout
+
+
 def _fake_nvidia_smi(tmp_path, line: str) -> dict:
     """A stand-in nvidia-smi on PATH (no NVIDIA driver can run here) answering doctor's one query."""
     tool = tmp_path / "nvidia-smi"
