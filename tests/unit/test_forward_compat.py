@@ -339,3 +339,10 @@ def test_pick_lines_word_for_word(plan):
     # the GPUs' archs in compute-capability order (sm_110 after sm_61, not before it as text)
     two = HostFacts(driver="535", gpus=(Gpu(0, "Jetson Thor", "11.0"), Gpu(1, "NVIDIA P40", "6.1")))
     assert pick(plan, "qwen3-embed", two)[1][0].startswith("no tag is built for sm_61, sm_110 (engines")
+
+
+def test_make_plan_checks_every_variant_for_the_gpu_brand_given():
+    matrix = load_matrix(REPO / "matrix.yaml")
+    (given,) = make_plan(matrix, ("qwen3-embed:cu128-sm90",), "datacenter").variants
+    (plain,) = make_plan(matrix, ("qwen3-embed:cu128-sm90",)).variants
+    assert (given.resolved["gpu_brand"], plain.resolved["gpu_brand"]) == ("datacenter", None)
