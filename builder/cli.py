@@ -18,8 +18,8 @@ from rich.table import Table
 from . import __version__
 from .errors import ConfigError, IncompatibleError, MoptError
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
-stdout = Console(highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+stdout = Console(highlight=False, soft_wrap=True, emoji=False)
 
 DEFAULT_MATRIX = "matrix.yaml"
 
@@ -555,14 +555,14 @@ def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm:
          gpu_brand: str, fmt: str) -> None:
     """Name the published tag of IMAGE that fits this host (driver floor or forward compatibility, sm), or say
     why none does."""
-    from .doctor import HostFacts, facts_override, query_gpus
+    from .doctor import HostFacts, facts_override, query_gpus, target_gpus
     from .doctor import pick as pick_tag
     from .plan import make_plan
 
     matrix = _load(matrix_path)
-    host_driver, host_gpus, _ = query_gpus() if not (gpu or sm) else (None, (), "")
+    host_driver, host_gpus, _ = query_gpus()  # --gpu/--sm replace the GPUs only: the driver stays the host's
     facts = facts_override(HostFacts(driver=host_driver, gpus=host_gpus), gpu, sm, driver)
-    brand = _gpu_brand(gpu_brand, facts.gpus)
+    brand = _gpu_brand(gpu_brand, target_gpus(facts.gpus)[0] or facts.gpus)
     tag, why_not = pick_tag(make_plan(matrix), image, facts, flavour, brand)
     reference = f"{matrix.namespace}/{image}:{tag}"
     if fmt == "json":
@@ -714,12 +714,22 @@ def prune_cmd(state_dir: Path, keep_states: tuple[Path, ...], labels: tuple[str,
         click.echo(f"in use, kept: {' '.join(image.tags) or image.image_id}: {reason}")
 
 
+MAX_ERROR_CHARS = 2000
+
+
+def _capped(message: str) -> str:
+    """An error as printed: whole up to MAX_ERROR_CHARS, so a quoted file or value cannot flood the terminal."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    return f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS} more characters not shown)"
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="mopt", standalone_mode=False)
     except MoptError as exc:
         if exc.message:
-            stderr.print(f"[red]mopt: error:[/] {escape(exc.message)}")
+            stderr.print(f"[red]mopt: error:[/] {escape(_capped(exc.message))}")
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         stderr.print("mopt: aborted")

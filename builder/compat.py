@@ -10,6 +10,7 @@ version) raises ConfigError; an incompatible combination is a Verdict, which
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -214,7 +215,8 @@ def load_knowledge_base(path: str | Path | None = None) -> KnowledgeBase:
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.path))))
     if errors:
         err = jsonschema.exceptions.best_match(errors)
-        raise ConfigError(f"does not match the compat schema: {err.message}", file=file,
+        detail = err.message if len(err.message) <= 300 else err.message[:300] + "..."
+        raise ConfigError(f"does not match the compat schema: {detail}", file=file,
                           key=_keypath(err.absolute_path))
     _validate_semantics(data, file)
     return KnowledgeBase(data=data, path=file)
@@ -377,7 +379,13 @@ def _forward_branches(kb: KnowledgeBase, mm: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-_GPU_PHRASE = {"datacenter": "a data-center GPU", "embedded": "an embedded (Jetson) GPU"}
+def _arch_min_driver(kb: KnowledgeBase, sm: str) -> tuple[str, str] | None:
+    """(the first CUDA for sm, its minimum driver): no older driver knows the GPU. None where the KB does
+    not tell (an arch of its oldest toolkit's baseline, or one added before its first toolkit row)."""
+    row = kb.arch(normalize_sm(sm).removesuffix("a"))
+    added = row.get("added") if row else None
+    floor = _toolkit_min_driver(kb, added) if added else None
+    return (added, floor) if floor else None
 
 
 @dataclass(frozen=True)
@@ -391,8 +399,10 @@ class DriverPath:
     source: str = ""
 
 
-def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: KnowledgeBase | None = None) -> DriverPath:
-    """Whether `driver` (a branch "535" or a version) runs CUDA `cuda` images on a GPU of `gpu_brand`."""
+def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: KnowledgeBase | None = None,
+                sm: str | None = None) -> DriverPath:
+    """Whether `driver` (a branch "535" or a version) runs CUDA `cuda` images on a GPU of `gpu_brand` and
+    arch `sm` (when given: forward compatibility cannot serve a GPU that the driver's branch predates)."""
     kb = kb or knowledge_base()
     cuda, driver = normalize_cuda(cuda), normalize_driver(driver)
     floor = _toolkit_min_driver(kb, cuda)
@@ -408,11 +418,17 @@ def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: Knowle
     mm = major_minor(cuda)
     supported = branch in info["branches"]
     kinds = fc["kinds"]
-    if gpu_brand in ("datacenter", "embedded") and kinds[gpu_brand] == "yes":
+    if gpu_brand is not None and kinds[gpu_brand] == "yes":
+        arch = _arch_min_driver(kb, sm) if sm else None
+        if supported and arch and branch < release(arch[1])[0]:
+            return DriverPath("none", floor, (
+                f"{_driver_text(driver)} predates sm_{sm}: CUDA {arch[0]}, the first to support it, needs driver "
+                f">= {arch[1]}, and forward compatibility replaces only the user-mode driver, not the kernel "
+                f"driver that must know the GPU {src}"), src)
         if supported:
             return DriverPath("forward", floor, (
                 f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {floor}, but "
-                f"{_GPU_PHRASE[gpu_brand]} runs CUDA {mm} on it through forward compatibility: the image carries "
+                f"a data-center GPU runs CUDA {mm} on it through forward compatibility: the image carries "
                 f"{info['package']} and loads it from {info['path']} at start, and its NVIDIA_REQUIRE_CUDA admits "
                 f"brand=tesla on branch {branch}"),
                 src)
@@ -430,6 +446,10 @@ def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: Knowle
                                          + src, src)
     if not supported:
         return DriverPath("none", floor, "")  # nothing forward compatibility could change
+    if gpu_brand is not None and kinds[gpu_brand] == "unmodeled":
+        return DriverPath("none", floor, "on Jetson, forward compatibility follows JetPack's own support table "
+                                         "(cuda-compat for L4T), which this knowledge base does not hold, and "
+                                         f"mopt's images are built for x86_64 hosts; it is not assumed {src}", src)
     if gpu_brand == "workstation":
         hint = "forward compatibility works only on select NGC Server Ready RTX SKUs, so it is not assumed"
     else:
@@ -608,7 +628,35 @@ def _check_vllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
                      f"the image needs a vLLM/torch build matching CUDA {cuda} {ctx.kb.source_text(w)}.")
 
 
-def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str | None) -> None:
+def _newest_floor_before(kb: KnowledgeBase, cuda: str) -> dict | None:
+    """The toolkit row of the newest CUDA the KB knows before `cuda`: a later CUDA never needs an older
+    driver, so its floor bounds an unconfirmed version's from below."""
+    older = [r for r in kb.rows("cuda", "toolkits") if compare_versions(r["version"], major_minor(cuda)) < 0]
+    return max(older, key=lambda r: release(r["version"])) if older else None
+
+
+def _warn_unknown_update(ctx: _Ctx, cuda: str, tk: Mapping[str, Any] | None, floor: str | None) -> None:
+    if tk is None:
+        return
+    known = max((int(n) for n in tk.get("updates", {})), default=0)
+    if len(release(cuda)) > 2 and release(cuda)[2] > known:
+        ctx.warn(f"CUDA {cuda}: the knowledge base knows CUDA {major_minor(cuda)} up to update {known} "
+                 f"({major_minor(cuda)}.{known}); its minimum driver {floor} is assumed {ctx.kb.source_text(tk)}.")
+
+
+def _driver_limit(floor: str | None, tk: dict | None, before: dict | None,
+                  mvc: dict | None) -> tuple[str | None, dict | None]:
+    """The driver a CUDA version needs and the row that says so: its toolkit's floor; for a version past
+    the table, the newest floor of the newest CUDA before it; else its major's MVC floor."""
+    if floor:
+        return floor, tk
+    if before:
+        return max([before["min_driver"], *before.get("updates", {}).values()], key=release), before
+    return (mvc["min_driver"], mvc) if mvc else (None, None)
+
+
+def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str | None,
+                       sm: str | None = None) -> None:
     kb = ctx.kb
     problem = _cuda_problem(kb, cuda)
     ctx.resolved["cuda_major"] = release(cuda)[0]
@@ -618,17 +666,20 @@ def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str 
     ctx.resolved["min_driver"] = floor
     if problem:
         if kb.unconfirmed_cuda(cuda) and not kb.nonexistent(cuda):
-            ctx.warn("UNCONFIRMED: " + problem + " Its minimum driver is not checked.")
+            ctx.warn("UNCONFIRMED: " + problem + " A driver is checked against the newest known CUDA's minimum.")
         else:
             ctx.reject(problem)
     if floor is not None:
         ctx.resolved["forward_compat"] = forward_compat(cuda, kb)
+    tk = kb.toolkit(cuda)
+    _warn_unknown_update(ctx, cuda, tk, floor)
     if not driver:
         return
-    tk = kb.toolkit(cuda)
-    limit, limit_row = (floor, tk) if floor else ((mvc["min_driver"], mvc) if mvc else (None, None))
+    before = _newest_floor_before(kb, cuda) if floor is None else None
+    limit, limit_row = _driver_limit(floor, tk, before, mvc)
     if limit is None:
         return
+
     req = kb.data["cuda"]["container_requirement"]
     error = " ".join(req["error_template"].format(cuda=major_minor(cuda)).split())
     src = kb.source_text(limit_row)
@@ -636,7 +687,7 @@ def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str 
     branch, limit_branch = release(driver)[0], release(limit)[0]
     below = branch < limit_branch if is_branch else compare_versions(driver, limit) < 0
     if below:
-        way = driver_path(cuda, driver, gpu_brand, kb) if floor else None
+        way = driver_path(cuda, driver, gpu_brand, kb, sm=sm) if floor else None
         if way is not None and way.path == "forward":
             ctx.resolved["driver_path"] = "forward"
             ctx.note(f"{way.detail} {way.source}.")
@@ -648,12 +699,23 @@ def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str 
             mvc_note = (f" Minor version compatibility ({release(cuda)[0]}.x on >= {mvc['min_driver']}) "
                         f"would only help with {disable} and no PTX JIT (cudaErrorUnsupportedPtxVersion).")
         fwd_note = f" {way.detail[:1].upper()}{way.detail[1:]}." if way is not None and way.detail else ""
+        if before is not None:
+            ctx.reject(f"{_driver_text(driver)} is below {limit}, the minimum driver of CUDA {before['version']}, the "
+                       f"newest release the knowledge base knows before CUDA {cuda}; a later CUDA never needs an "
+                       f"older driver {src}.")
+            return
+        if tk and not is_branch and compare_versions(driver, tk["min_driver"]) >= 0:  # an update's floor
+            ctx.reject(f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {limit}: the container's "
+                       f"cuda>={major_minor(cuda)} check passes, but this CUDA update needs the newer driver "
+                       f"{src}.{fwd_note}")
+            return
         ctx.reject(f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {limit}; the container "
                    f"would stop at start with \"{error}\" {src}.{mvc_note}{fwd_note}")
         return
     ctx.resolved["driver_path"] = "native"
     if is_branch and branch == limit_branch and release(limit)[1:] != (0,):
-        ctx.warn(f"driver branch {driver} includes releases older than CUDA {cuda}'s minimum driver {limit}; "
+        whose = f"CUDA {cuda}'s minimum driver" if before is None else f"CUDA {before['version']}'s minimum driver"
+        ctx.warn(f"driver branch {driver} includes releases older than {whose} {limit}; "
                  f"the host needs >= {limit} {src}.")
 
 
@@ -715,6 +777,14 @@ def _check_tensorrt(ctx: _Ctx, trt: str, explicit: bool, cuda: str | None, sm: s
             _sm_rules(ctx, ("tensorrt", "sm_rules"), "tensorrt", trt, "TensorRT", sm)
         if len(ctx.reasons) == before:  # its own rows have not refused this sm already
             _dropped(ctx, "tensorrt", trt, "sm", sm, cuda=cuda)
+
+
+_PYTHON = re.compile(r"[23]\.\d{1,2}(\.\d{1,3})?", re.ASCII)
+
+
+def _quoted(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
 
 
 def _torch_local_cuda(torch: str) -> str | None:
@@ -794,6 +864,11 @@ def _covers(axis: str, row: Mapping[str, Any], value: str) -> tuple[str, str] | 
             return f"sm_{base}", f"does not support sm_{value}"
     elif major_minor(value) in row["python"]:
         return f"Python {major_minor(value)}", f"does not support Python {value}"
+    else:
+        # an older Python than a dropped one went before it (or with it): 3.7 is gone where 3.8 is
+        newest = max(row["python"], key=release)
+        if release(major_minor(value)) < release(newest):
+            return f"Python {newest}", f"does not support Python {value}, older still"
     return None
 
 
@@ -806,7 +881,7 @@ def _dropped(ctx: _Ctx, package: str, version: str, axis: str, value: str | None
     if not value or (axis == "cuda" and major_minor(value) in restores):
         return False
     what = _PACKAGE_NAMES[package]
-    reported = []
+    hits = []
     for row in ctx.kb.rows("drops"):
         if row["package"] != package or axis not in row or not _from_on(version, row["dropped_in"]):
             continue
@@ -815,14 +890,17 @@ def _dropped(ctx: _Ctx, package: str, version: str, axis: str, value: str | None
         if row.get("when_cuda") and not (cuda and in_any(cuda, row["when_cuda"])):
             continue
         covered = _covers(axis, row, value)
-        if covered is None:
-            continue
-        builds = f" from its builds for CUDA {row['when_cuda']}" if row.get("when_cuda") else ""
-        note = f" ({row['note']})" if row.get("note") else ""
-        reported.append(f"{what} dropped {covered[0]}{builds} in {row['dropped_in']} and a dropped line does not "
-                        f"come back: {what} {version} {covered[1]}{note} {ctx.kb.source_text(row)}.")
-        ctx.fact(row, reported[-1], soft=soft)
-    return bool(reported)
+        if covered is not None:
+            hits.append((row, covered))
+    if not hits:
+        return False
+    # one reason: the first drop that took this line (several rows cover a Python older than all of them)
+    row, covered = min(hits, key=lambda hit: release(hit[0]["dropped_in"]))
+    builds = f" from its builds for CUDA {row['when_cuda']}" if row.get("when_cuda") else ""
+    note = f" ({row['note']})" if row.get("note") else ""
+    ctx.fact(row, f"{what} dropped {covered[0]}{builds} in {row['dropped_in']} and a dropped line does not come "
+                  f"back: {what} {version} {covered[1]}{note} {ctx.kb.source_text(row)}.", soft=soft)
+    return True
 
 
 def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> None:
@@ -848,6 +926,23 @@ def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> Non
                              f"without PTX; sm_{sm} is not covered{note} {asrc}.", soft=soft)
 
 
+def _validated_packages(combo: Combo) -> str | None:
+    """ConfigError for a malformed Python or package version; the CUDA a torch +cuXYZ local part names."""
+    if combo.python is not None and not _PYTHON.fullmatch(str(combo.python).strip()):
+        raise ConfigError(f"not a Python version: {_quoted(combo.python)}; write e.g. 3.12 or 3.12.4")
+    for name in PACKAGE_AXES:
+        value = getattr(combo, name)
+        if value is not None:
+            parse_version(value)
+    if combo.torch is None:
+        return None
+    local, local_cuda = parse_version(combo.torch).local, _torch_local_cuda(combo.torch)
+    if local and local != "cpu" and not local_cuda:
+        raise ConfigError(f"torch {_quoted(combo.torch)}: its local version +{local} is not a build tag "
+                          "mopt knows (+cpu or +cuXYZ, e.g. 2.9.0+cu128)")
+    return local_cuda
+
+
 def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     """Check one combination against the knowledge base. ConfigError for malformed input."""
     kb = kb or knowledge_base()
@@ -855,10 +950,7 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     cuda = normalize_cuda(combo.cuda) if combo.cuda is not None else None
     sm = normalize_sm(combo.sm) if combo.sm is not None else None
     driver = normalize_driver(combo.driver) if combo.driver is not None else None
-    for name in PACKAGE_AXES:
-        value = getattr(combo, name)
-        if value is not None:
-            parse_version(value)
+    cuda = cuda or _validated_packages(combo)  # torch 2.9.0+cu128 names its CUDA
     if combo.gpu_brand is not None and combo.gpu_brand not in GPU_BRANDS:
         raise ConfigError(f"GPU brand {combo.gpu_brand!r}: expected one of {', '.join(GPU_BRANDS)}")
     combo = Combo(cuda=cuda, sm=sm, driver=driver, tensorrt=combo.tensorrt, tensorrt_llm=combo.tensorrt_llm,
@@ -873,8 +965,13 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     eff_cuda = cuda or ctx.resolved.get("cuda")
     if combo.vllm:
         _check_vllm(ctx, combo, eff_cuda)
+    wheel_cuda = ctx.resolved.get("vllm_wheel_cuda")
     if eff_cuda:
-        _check_cuda_driver(ctx, eff_cuda, driver, combo.gpu_brand)
+        _check_cuda_driver(ctx, eff_cuda, driver, combo.gpu_brand, sm)
+    elif driver and wheel_cuda:  # vLLM from PyPI brings its default CUDA build
+        ctx.note(f"no CUDA version given: the driver is checked against CUDA {wheel_cuda}, the CUDA of "
+                 f"vLLM {combo.vllm}'s PyPI wheels.")
+        _check_cuda_driver(ctx, wheel_cuda, driver, combo.gpu_brand, sm)
     elif driver:
         ctx.warn(f"{_driver_text(driver)} given without a CUDA version; nothing to check it against.")
     arch_sm = _check_sm_cuda(ctx, sm, eff_cuda) if sm else None

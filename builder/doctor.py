@@ -33,12 +33,19 @@ class Check:
 class Gpu:
     index: int
     name: str
-    cc: str  # "9.0"
+    cc: str | None  # "9.0"; None when the driver did not report it ("[N/A]")
     nvml_brand: str | None = None  # nvmlDeviceGetBrand as libnvidia-container names it: tesla, geforce ...
 
     @property
-    def sm(self) -> str:
-        return cc_to_sm(self.cc)
+    def sm(self) -> str | None:
+        """Its arch ("90"); None when the compute capability is unknown or not one."""
+        try:
+            return cc_to_sm(self.cc) if self.cc else None
+        except ConfigError:
+            return None
+
+    def describe(self) -> str:
+        return f"GPU {self.index} ({self.name}, " + (f"sm_{self.sm})" if self.sm else "compute capability unknown)")
 
     @property
     def brand(self) -> str | None:
@@ -53,10 +60,17 @@ BRAND_CHOICES = ("auto", *compat.GPU_BRANDS, "unknown")
 
 
 def resolve_gpu_brand(choice: str, gpus: tuple[Gpu, ...]) -> tuple[str | None, str]:
-    """(brand, how it was decided) for --gpu-brand: given, or (auto) the detected GPUs' common product line."""
+    """(brand, how it was decided) for --gpu-brand: given, or (auto) the detected GPUs' common product line.
+    A given brand that a GPU's known product line contradicts is refused: forward compatibility would be
+    claimed for a GPU that fails with error 804."""
     if choice == "unknown":
         return None, "given as unknown"
     if choice != "auto":
+        clash = next((g for g in gpus if g.brand not in (None, choice)), None)
+        if clash is not None:
+            how = f"NVML brand {clash.nvml_brand}" if clash.nvml_brand else "the knowledge base's GPU table (sm.gpus)"
+            raise ConfigError(f"--gpu-brand {choice} contradicts {clash.name}, a {clash.brand} GPU by {how}; "
+                              "leave --gpu-brand at auto, or name the GPU you mean")
         return choice, "given"
     if not gpus:
         return None, "no GPU detected"
@@ -107,12 +121,41 @@ def query_gpus() -> tuple[str | None, tuple[Gpu, ...], str]:
     if result is None or result.returncode != 0:
         return None, (), "nvidia-smi not found" if result is None else "nvidia-smi failed"
     gpus, driver = [], None
-    for line in result.stdout.strip().splitlines():
+    for position, line in enumerate(result.stdout.strip().splitlines()):
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 4:
-            gpus.append(Gpu(int(parts[0]), parts[1], parts[2]))
-            driver = parts[3]
+        if len(parts) == 4:  # fields it cannot read come as "[N/A]": kept as unknown, not fatal
+            index = int(parts[0]) if parts[0].isascii() and parts[0].isdigit() else position
+            gpus.append(Gpu(index, parts[1], parts[2] if _CC.fullmatch(parts[2]) else None))
+            driver = parts[3]  # as reported: valid_driver() decides whether it can be read
     return driver, tuple(gpus), "nvidia-smi"
+
+
+_CC = re.compile(r"\d{1,2}\.\d", re.ASCII)
+
+
+def valid_driver(driver: str | None) -> str | None:
+    """The driver version if the knowledge base can read it (a branch or up to three parts), else None."""
+    from .versions import normalize_driver
+
+    try:
+        return normalize_driver(driver) if driver else None
+    except ConfigError:
+        return None
+
+
+def target_gpus(gpus: tuple[Gpu, ...]) -> tuple[tuple[Gpu, ...], str]:
+    """The GPUs a tag is picked for: all of them when they share an arch, else those of the first GPU
+    whose arch is known (an engine is built for one arch); and a note when some are left out."""
+    known = [g for g in gpus if g.sm]
+    if not known:
+        return (), ""
+    chosen = tuple(g for g in known if g.sm == known[0].sm)
+    if len(chosen) == len(gpus):
+        return chosen, ""
+    others = sorted({g.sm for g in known} - {known[0].sm}, key=sm_major_minor)
+    hint = f"; for the others pass {' or '.join('--sm ' + sm for sm in others)}" if others else ""
+    return chosen, (f"this host's GPUs differ ({'; '.join(g.describe() for g in gpus)}): picked for "
+                    f"sm_{known[0].sm}, the arch of GPU {known[0].index}{hint}")
 
 
 def _json_or_empty(text: str) -> dict:
@@ -131,16 +174,16 @@ def _version_at_least(version: str, floor: str) -> bool:
         return False
 
 
-def cuda_paths_check(driver: str | None, brand: tuple[str | None, str]) -> Check:
+def cuda_paths_check(driver: str | None, brand: tuple[str | None, str], sm: str | None = None) -> Check:
     """Which CUDA versions of the knowledge base this driver runs natively, and which through forward
-    compatibility (a data-center GPU and a supported branch), for the GPU's product line."""
+    compatibility (a data-center GPU of arch `sm` and a supported branch), for the GPU's product line."""
     kind, how = brand
     if not driver:
         return Check("cuda-versions", "warn", "the driver did not report its version: the CUDA versions it runs "
                                               "are unknown", "nvidia-smi should print the driver version")
     native, forward, none = [], [], []
     for row in compat.knowledge_base().rows("cuda", "toolkits"):
-        way = compat.driver_path(row["version"], driver, kind)
+        way = compat.driver_path(row["version"], driver, kind, sm=sm)
         {"native": native, "forward": forward}.get(way.path, none).append(row["version"])
     detail = (f"product line {kind or 'unknown'} ({how}); driver {driver}: CUDA {', '.join(native) or 'none'} "
               f"natively")
@@ -179,13 +222,29 @@ def inspect_host(gpu_brand: str = "auto") -> HostFacts:
     else:
         checks.append(Check("buildkit", "warn", "no BuildKit-capable client found",
                             "install docker-buildx, or Debian's docker.io (/usr/bin/docker)"))
-    driver, gpus, how = query_gpus()
+    reported, gpus, how = query_gpus()
+    driver = valid_driver(reported)
     if gpus:
-        checks.append(Check("nvidia-driver", "ok", f"driver {driver} (via {how})"))
+        if driver:
+            checks.append(Check("nvidia-driver", "ok", f"driver {driver} (via {how})"))
+        else:
+            checks.append(Check("nvidia-driver", "warn", f"the driver reported no readable version "
+                                                         f"({_shown(reported)}, via {how})",
+                                "nvidia-smi --query-gpu=driver_version --format=csv should print e.g. 550.54.14"))
         for gpu in gpus:
-            checks.append(Check(f"gpu{gpu.index}", "ok", f"{gpu.name}, compute capability {gpu.cc} (sm_{gpu.sm}), "
-                                                        f"product line {gpu.brand or 'unknown'}"))
-        checks.append(cuda_paths_check(driver, resolve_gpu_brand(gpu_brand, gpus)))
+            if gpu.sm:
+                checks.append(Check(f"gpu{gpu.index}", "ok", f"{gpu.name}, compute capability {gpu.cc} "
+                                                            f"(sm_{gpu.sm}), product line {gpu.brand or 'unknown'}"))
+            else:
+                checks.append(Check(f"gpu{gpu.index}", "warn", f"{gpu.name}: compute capability not reported "
+                                                              f"({_shown(gpu.cc)}); no tag can be matched to it",
+                                    "pass --sm to mopt pick (e.g. --sm 90)"))
+        targets, _ = target_gpus(gpus)
+        try:
+            brand = resolve_gpu_brand(gpu_brand, targets or gpus)
+            checks.append(cuda_paths_check(driver, brand, targets[0].sm if targets else None))
+        except ConfigError as err:
+            checks.append(Check("cuda-versions", "fail", err.message, "leave --gpu-brand at auto"))
         if "nvidia" in runtimes or Path("/etc/cdi/nvidia.yaml").exists() or shutil.which("nvidia-container-cli"):
             found = "nvidia runtime registered" if "nvidia" in runtimes else "NVIDIA container toolkit found"
             checks.append(Check("nvidia-container-runtime", "ok", found))
@@ -220,17 +279,23 @@ def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = 
         if not variants:
             raise ConfigError(f"image {image!r} has no flavour {prefer_flavour!r}")
     why_not = []
-    if facts.gpus:
-        sms = {g.sm for g in facts.gpus}
-        same_arch = [v for v in variants if v.device == "cuda" and v.resolved.get("sm") in sms]
+    targets, mixed = target_gpus(facts.gpus)
+    if mixed:
+        why_not.append(mixed)
+    if facts.gpus and not targets:
+        why_not.append("no GPU of this host reported its compute capability (pass --sm, e.g. --sm 90)")
+    if targets:
+        sm = targets[0].sm
+        same_arch = [v for v in variants if v.device == "cuda" and v.resolved.get("sm") == sm]
         if not same_arch:
             built = sorted({v.resolved["sm"] for v in variants if v.device == "cuda"}, key=sm_major_minor)
-            why_not.append(f"no tag is built for {', '.join('sm_' + s for s in sorted(sms, key=sm_major_minor))} "
+            why_not.append(f"no tag is built for sm_{sm} "
                            f"(engines are tied to the GPU arch; built: {', '.join('sm_' + s for s in built)})")
         fits, forward = [], {}
         for v in same_arch:
             floor = v.resolved.get("min_driver")
-            way = compat.driver_path(v.resolved["cuda"], facts.driver, gpu_brand) if floor and facts.driver else None
+            way = (compat.driver_path(v.resolved["cuda"], facts.driver, gpu_brand, sm=sm)
+                   if floor and facts.driver else None)
             if way is None or way.path == "native":
                 fits.append(v)
             elif way.path == "forward":
@@ -261,20 +326,34 @@ def gpu_from_name(name: str) -> Gpu:
     return Gpu(0, name, compat.gpu_compute_capability(name))
 
 
-_DRIVER = re.compile(r"^\d+(\.\d+){0,2}$")
+def _shown(value: object, limit: int = 60) -> str:
+    """A value as an error quotes it, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
 
 
 def facts_override(facts: HostFacts, gpu: str | None, sm: str | None, driver: str | None) -> HostFacts:
-    """Let a deployer ask for another host than this one (`mopt pick --sm 86 --driver 535.54.03`)."""
+    """Let a deployer ask for another host than this one (`mopt pick --sm 86 --driver 535.54.03`): --gpu and
+    --sm replace the GPUs, --driver the driver; what is not given stays this host's. A host driver that
+    cannot be read is refused here, where a tag would be picked by it."""
     from .versions import normalize_sm, sm_to_cc
 
     gpus = facts.gpus
-    if gpu:
-        gpus = (gpu_from_name(gpu),)
-    if sm:
-        gpus = (Gpu(0, gpus[0].name if gpus else f"sm_{normalize_sm(sm)}", sm_to_cc(normalize_sm(sm))),)
-    if driver and not _DRIVER.match(driver):
-        raise ConfigError(f"--driver {driver!r}: expected a version like 535.54.03")
-    return HostFacts(driver=driver or facts.driver, gpus=gpus, docker_server=facts.docker_server,
+    for flag, value in (("--gpu", gpu), ("--sm", sm), ("--driver", driver)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty")
+    if gpu is not None:
+        gpus = (gpu_from_name(gpu.strip()),)
+    if sm is not None:
+        name = gpus[0].name if gpu is not None else f"sm_{normalize_sm(sm)}"  # another arch: another GPU
+        gpus = (Gpu(0, name, sm_to_cc(normalize_sm(sm))),)
+    if driver is not None:
+        if valid_driver(driver) is None:
+            raise ConfigError(f"--driver {_shown(driver)}: expected a branch (535) or a version like 535.54.03")
+        driver = valid_driver(driver)
+    elif facts.driver and facts.gpus and valid_driver(facts.driver) is None:
+        raise ConfigError(f"this host's driver reports version {_shown(facts.driver)}, which is not a driver "
+                          "version; pass --driver (e.g. --driver 535.104.05)")
+    return HostFacts(driver=driver or valid_driver(facts.driver), gpus=gpus, docker_server=facts.docker_server,
                      runtimes=facts.runtimes, checks=facts.checks)
 

@@ -276,11 +276,25 @@ def _requirement(meta: Metadata, name: str) -> Requirement | None:
 
 
 def _exact_pin(req: Requirement | None) -> str | None:
-    """torch==2.13.0 -> "2.13.0" (a local part such as +cpu kept); None when not one exact pin."""
+    """torch==2.13.0 -> "2.13.0" (a local part such as +cpu kept); None when not one exact pin of a version
+    (a wildcard ==2.13.* or an arbitrary ===string is not)."""
     specs = list(req.specifier) if req else []
-    if len(specs) == 1 and specs[0].operator in ("==", "==="):
+    if len(specs) == 1 and specs[0].operator in ("==", "===") and not specs[0].version.endswith(".*"):
+        try:
+            Version(specs[0].version)
+        except InvalidVersion:
+            return None
         return specs[0].version
     return None
+
+
+def _pinned_release(req: Requirement | None) -> str | None:
+    """An exact pin, or the release prefix a wildcard pin fixes: ==12.8.90 -> "12.8.90", ==12.8.* -> "12.8"."""
+    specs = list(req.specifier) if req else []
+    if len(specs) == 1 and specs[0].operator == "==" and specs[0].version.endswith(".*"):
+        prefix = specs[0].version[:-2]
+        return prefix if re.fullmatch(r"\d+(\.\d+)*", prefix) else None
+    return _exact_pin(req)
 
 
 def kb_range(req: Requirement) -> str:
@@ -322,20 +336,22 @@ def cuda_majors(meta: Metadata) -> set[int]:
         if match:
             out.add(int(match.group(1)))
         out |= {int(m.group(1)) for m in (_CU_EXTRA.match(e) for e in req.extras) if m}
-        if name == "cuda-toolkit" and _exact_pin(req):
-            out.add(release(_exact_pin(req))[0])
+        if name == "cuda-toolkit" and _pinned_release(req):
+            out.add(release(_pinned_release(req))[0])
     return out
 
 
 def default_cuda(meta: Metadata) -> tuple[str, str | None] | None:
     """torch's default CUDA from its requirements: cuda-toolkit==13.2.2 -> ("13.2", "13.2.2");
     nvidia-cuda-runtime-cu12==12.8.90 -> ("12.8", None) (a library version, not the toolkit's)."""
-    toolkit = _exact_pin(_requirement(meta, "cuda-toolkit"))
-    if toolkit:
-        return major_minor(toolkit), toolkit
+    req = _requirement(meta, "cuda-toolkit")
+    toolkit = _pinned_release(req)
+    if toolkit and len(release(toolkit)) >= 2:
+        return major_minor(toolkit), _exact_pin(req)  # a wildcard pin names no toolkit release
     for req in meta.requires:
-        if canonicalize_name(req.name).startswith("nvidia-cuda-runtime") and _exact_pin(req):
-            return major_minor(_exact_pin(req)), None
+        pinned = _pinned_release(req)
+        if canonicalize_name(req.name).startswith("nvidia-cuda-runtime") and pinned and len(release(pinned)) >= 2:
+            return major_minor(pinned), None
     return None
 
 
@@ -762,8 +778,14 @@ _READERS: dict[str, Callable[[_Run, PackageSpec, dict, list[Version]], None]] = 
 
 def index_url(explicit: str | None, settings: Settings) -> str:
     url = (explicit or os.environ.get(INDEX_URL_ENV) or settings.default_index_url).rstrip("/")
-    if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
-        raise ConfigError(f"index URL {url!r}: expected http(s)://HOST[:PORT]/PATH (the JSON API's root)")
+    try:
+        parts = urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        usable = False
+    if not usable:
+        shown = url if len(url) <= 80 else url[:80] + "..."
+        raise ConfigError(f"index URL {shown!r}: expected http(s)://HOST[:PORT]/PATH (the JSON API's root)")
     return url
 
 
@@ -790,10 +812,13 @@ def check(kb_path: Path | None = None, url: str | None = None, settings: Setting
                 run.add("unread", spec, "", "", f"the index has no project {spec.name}.")
                 continue
             docs[spec.name] = doc
-            if spec.kind in _READERS:
-                _READERS[spec.kind](run, spec, doc, _releases(doc, spec.since))
-            if spec.kind in DROPS_PACKAGE:
-                _check_python_drops(run, spec, doc)
+            try:
+                if spec.kind in _READERS:
+                    _READERS[spec.kind](run, spec, doc, _releases(doc, spec.since))
+                if spec.kind in DROPS_PACKAGE:
+                    _check_python_drops(run, spec, doc)
+            except ConfigError as err:  # metadata the index serves but nobody can read: a finding, not bad input
+                run.add("unread", spec, "", "", f"{spec.name}: the index's metadata could not be read ({err.message}).")
         trt = [s for s in settings.packages if s.kind == "tensorrt" and s.name in docs]
         if trt:
             _check_tensorrt(run, trt, docs)

@@ -22,7 +22,7 @@ from .report import ReleaseReport, VariantReport
 from .state import SmokeRecord, StateDir, VariantRecord
 from .statelock import state_lock
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)
+console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 def _say(message: str) -> None:

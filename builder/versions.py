@@ -254,12 +254,19 @@ def normalize_cuda(value: object) -> str:
     if m:
         digits = m.group(1)
         return f"{int(digits[:-1])}.{digits[-1]}"
-    if not _DOTTED.match(text) or "." not in text:
-        raise ConfigError(f"not a CUDA version: {value!r}; write e.g. 12.1, 12.1.1 or cu121")
+    parts = text.split(".")
+    if not _DOTTED.match(text) or not 2 <= len(parts) <= 3 or any(p != str(int(p)) for p in parts):
+        raise ConfigError(f"not a CUDA version: {_short(value)}; write e.g. 12.1, 12.1.1 or cu121")
     return text
 
 
-_DRIVER_RE = re.compile(r"^\d{3}(\.\d{1,3}){0,2}$", re.ASCII)
+def _short(value: object, limit: int = 60) -> str:
+    """A value as an error message quotes it, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
+_DRIVER_RE = re.compile(r"\d{3}(\.\d{1,3}){0,2}", re.ASCII)
 
 
 def normalize_driver(value: object) -> str:
@@ -267,6 +274,6 @@ def normalize_driver(value: object) -> str:
     if isinstance(value, bool) or value is None:
         raise ConfigError(f"not an NVIDIA driver version: {value!r}")
     text = str(value).strip()
-    if not _DRIVER_RE.match(text):
-        raise ConfigError(f"not an NVIDIA driver version: {value!r}; write a branch (535) or 550.54.14")
+    if not _DRIVER_RE.fullmatch(text):
+        raise ConfigError(f"not an NVIDIA driver version: {_short(value)}; write a branch (535) or 550.54.14")
     return text

@@ -107,3 +107,23 @@ def test_plan_markdown_is_a_full_table_for_a_job_summary():
     assert [r.split(" | ")[0] for r in rows] == ["| minilm-embed:cpu", "| minilm-embed:cpu-vllm"]
     assert all(r.count(" | ") == 7 for r in rows)  # every column, uncut
     assert not any(ch in res.stdout for ch in "│┃━─")  # no box drawing
+
+
+def test_errors_quote_input_as_given_and_bounded(tmp_path):
+    # rich's :emoji: codes are not rendered: a message quotes the input as typed
+    result = run_mopt("compat", "--python", ":x: :smile:")
+    assert result.returncode == 2 and "':x: :smile:'" in result.stderr
+    # a long value or a whole file in an error is cut, with the count of what was left out
+    big = tmp_path / "kb.yaml"
+    big.write_text("- " + "x" * 20000 + "\n")
+    result = run_mopt("kb", "check", "--kb", str(big))
+    assert result.returncode == 2 and len(result.stderr) < 800 and "..." in result.stderr
+    result = run_mopt("compat", "--cuda", "12.8", "--driver", "5" * 5000)
+    assert result.returncode == 2 and len(result.stderr) < 300 and "Traceback" not in result.stderr
+
+
+def test_a_message_over_the_cap_says_how_much_is_not_shown():
+    from builder.cli import MAX_ERROR_CHARS, _capped
+
+    assert _capped("a" * MAX_ERROR_CHARS) == "a" * MAX_ERROR_CHARS
+    assert _capped("a" * (MAX_ERROR_CHARS + 7)) == "a" * MAX_ERROR_CHARS + "... (7 more characters not shown)"

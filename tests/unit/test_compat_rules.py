@@ -19,7 +19,10 @@ NO_CUDA_START = ('the container would stop at start with "nvidia-container-cli: 
 MVC_12 = (" Minor version compatibility (12.x on >= 525.60.13) would only help with NVIDIA_DISABLE_REQUIRE=true "
           "and no PTX JIT (cudaErrorUnsupportedPtxVersion).")
 UNCONFIRMED_13_3 = ("UNCONFIRMED: CUDA 13.3: CUDA 13.3 and later are not in the sourced release-notes table; minimum "
-                    "driver unknown (source: RN13.2 Table 3). Its minimum driver is not checked.")
+                    "driver unknown (source: RN13.2 Table 3). A driver is checked against the newest known CUDA's "
+                    "minimum.")
+AFTER_13_2 = ("595.71.05, the minimum driver of CUDA 13.2, the newest release the knowledge base knows before "
+              "CUDA {cuda}; a later CUDA never needs an older driver (source: RN13.2 Table 3).")
 NOT_ENFORCED = " Not enforced; verify before relying on it."
 # a driver branch forward compatibility supports for CUDA 12.1 (its image's brand=tesla clauses), on a GPU
 # whose product line is not known
@@ -72,11 +75,21 @@ def _row(data: dict, table: tuple[str, str], key: str, value: str) -> dict:
     ("12.1", "550.54.14", [], []),
     ("12.8", "570", [], ["driver branch 570 includes releases older than CUDA 12.8's minimum driver 570.26; the host "
                          "needs >= 570.26 (source: RN13.2 Table 3)."]),
-    # no toolkit row for 13.3: the 13.x minor-version-compatibility floor is the limit
-    ("13.3", "575", [f"driver branch 575 is below CUDA 13.3's minimum driver 580.65.06; "
-                     f"{NO_CUDA_START.format(cuda='13.3')} (source: RN13.2 Table 2; MVC)."], [UNCONFIRMED_13_3]),
-    ("13.3", "580.65.06", [], [UNCONFIRMED_13_3]),
+    # no toolkit row for 13.3: the newest known CUDA's newest floor (13.2 Update 2) bounds it from below
+    ("13.3", "575", [f"driver branch 575 is below {AFTER_13_2.format(cuda='13.3')}"], [UNCONFIRMED_13_3]),
+    ("13.3", "580.65.06", [f"driver 580.65.06 is below {AFTER_13_2.format(cuda='13.3')}"], [UNCONFIRMED_13_3]),
+    ("13.3", "595.71.04", [f"driver 595.71.04 is below {AFTER_13_2.format(cuda='13.3')}"], [UNCONFIRMED_13_3]),
+    ("13.3", "595.71.05", [], [UNCONFIRMED_13_3]),
+    ("13.3", "595", [], [UNCONFIRMED_13_3, "driver branch 595 includes releases older than CUDA 13.2's minimum driver "
+                                           "595.71.05; the host needs >= 595.71.05 (source: RN13.2 Table 3)."]),
     ("13.3", None, [], [UNCONFIRMED_13_3]),
+    # a new major: still no older driver than the newest known CUDA's
+    ("14.0", "450", [f"driver branch 450 is below {AFTER_13_2.format(cuda='14.0')}"],
+     [UNCONFIRMED_13_3.replace("CUDA 13.3: ", "CUDA 14.0: ")]),
+    # a full version at or above the base release but below an update's floor: the update's own words
+    ("12.8.1", "570.26", ["driver 570.26 is below CUDA 12.8.1's minimum driver 570.124.06: the container's "
+                          "cuda>=12.8 check passes, but this CUDA update needs the newer driver "
+                          "(source: RN13.2 Table 3)."], []),
 ])
 def test_driver_floors(cuda, driver, reasons, warnings):
     assert _verdict(cuda=cuda, driver=driver) == (tuple(reasons), tuple(warnings))
@@ -111,7 +124,7 @@ def test_unknown_cuda_message_names_the_kb():
 def test_unconfirmed_cuda_without_note():
     kb = _edited(lambda d: d["cuda"]["unconfirmed"][0].pop("note"))
     assert _verdict(kb, cuda="13.3") == ((), ("UNCONFIRMED: CUDA 13.3: UNCONFIRMED (source: RN13.2 Table 3). "
-                                              "Its minimum driver is not checked.",))
+                                              "A driver is checked against the newest known CUDA's minimum.",))
 
 
 def test_disable_env_comes_from_the_kb():
@@ -135,8 +148,23 @@ def test_no_mvc_row_for_the_major():
     assert v.compatible and v.resolved["min_driver_mvc"] is None and v.resolved["min_driver"] == "580.65.06"
     assert compat.min_driver_mvc("13.0", kb) is None
     assert compat.min_driver_mvc("14.0") is None
-    # 13.3 has neither a toolkit row nor (now) an MVC floor: the driver cannot be checked at all
-    assert _verdict(kb, cuda="13.3", driver="470")[0] == ()
+    # 13.3 has neither a toolkit row nor (now) an MVC floor: the newest known CUDA's floor still applies
+    assert _verdict(kb, cuda="13.3", driver="470")[0] == (f"driver branch 470 is below "
+                                                         f"{AFTER_13_2.format(cuda='13.3')}",)
+
+
+def test_an_unconfirmed_cuda_older_than_every_toolkit_is_not_checked():
+    # nothing known before it and no MVC row for its major: no floor to hold a driver to
+    kb = _edited(lambda d: d["cuda"]["unconfirmed"][0].update(versions=">=10.0"))
+    assert _verdict(kb, cuda="10.2", driver="400")[0] == ()
+
+
+def test_an_update_beyond_the_known_ones_warns():
+    assert _verdict(cuda="12.8.9") == ((), ("CUDA 12.8.9: the knowledge base knows CUDA 12.8 up to update 1 "
+                                            "(12.8.1); its minimum driver 570.124.06 is assumed "
+                                            "(source: RN13.2 Table 3).",))
+    assert _verdict(cuda="12.8.1") == ((), ())
+    assert _verdict(cuda="12.1.0") == ((), ())  # update 0 of a toolkit without update rows
 
 
 def test_update_floors_go_by_update_number():
@@ -860,6 +888,48 @@ def test_dropped_python_and_sm_lines(combo, reason):
 ])
 def test_lines_before_their_drop_pass(combo):
     assert not any("dropped" in r for r in _verdict(**combo)[0])
+
+
+def test_a_python_older_than_a_dropped_one_is_gone_too_with_one_reason():
+    # 3.7 and 2.7 went before 3.8 did: the first drop that took them is the one reason
+    assert _verdict(torch="2.6.0", python="3.7")[0] == (
+        "torch dropped Python 3.8 in 2.6 and a dropped line does not come back: torch 2.6.0 does not support Python "
+        "3.7, older still (torch 2.6.0 requires_python >=3.9) (source: PYPI-TORCH requires_python of torch 2.6.0 "
+        "(pypi.org JSON API, read 2026-12-03)).",)
+    reasons = _verdict(vllm="0.33.0", python="2.7")[0]
+    assert [r.split(" and a dropped")[0] for r in reasons] == ["vLLM dropped Python 3.8 in 0.6.4",
+                                                               "torch dropped Python 3.8 in 2.6"]
+    # a newer Python than the dropped ones is untouched; so is the last version before a drop
+    assert _verdict(torch="2.6.0", python="3.13")[0] == ()
+    assert _verdict(torch="2.5.1", python="3.8")[0] == ()
+
+
+@pytest.mark.parametrize("python", ["3", "9999999999999999999999.1", "4.0", "3.x", "py3.12", "3.12.1.1", ""])
+def test_a_python_version_must_be_one(python):
+    with pytest.raises(ConfigError, match="not a Python version"):
+        check(Combo(torch="2.9.0", python=python))
+
+
+def test_a_torch_local_version_names_its_cuda():
+    # +cu118 on 2.9 is a build that does not exist: the 2.9 drop of CUDA 11.8 applies without --cuda
+    v = check(Combo(torch="2.9.0+cu118"))
+    assert v.resolved["cuda"] == "11.8" and v.reasons[0].startswith(
+        "torch dropped CUDA 11.8 in 2.9 and a dropped line does not come back: torch 2.9.0+cu118 has no CUDA 11.8 "
+        "build")
+    # and the driver is held to that CUDA
+    assert check(Combo(torch="2.9.0+cu128", driver="470", gpu_brand="consumer")).reasons[0].startswith(
+        "driver branch 470 is below CUDA 12.8's minimum driver 570.26")
+    assert check(Combo(torch="2.9.0+cu128")).compatible
+    with pytest.raises(ConfigError, match=r"^torch '2.9.0\+garbage': its local version \+garbage is not a build tag"):
+        check(Combo(torch="2.9.0+garbage"))
+
+
+def test_vllm_without_cuda_holds_a_driver_to_its_wheels_cuda():
+    v = check(Combo(vllm="0.10.0", driver="470", gpu_brand="consumer"))
+    assert v.notes == ("no CUDA version given: the driver is checked against CUDA 12.8, the CUDA of vLLM 0.10.0's "
+                       "PyPI wheels.",)
+    assert v.reasons[0].startswith("driver branch 470 is below CUDA 12.8's minimum driver 570.26")
+    assert check(Combo(vllm="0.10.0", driver="570.124.06")).compatible
 
 
 def test_an_sm_drop_the_package_rows_already_judge_is_reported_once():

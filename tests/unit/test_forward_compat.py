@@ -39,9 +39,29 @@ def test_the_issue_case_a_datacenter_gpu_on_r535_runs_cuda_12_8():
     assert verdict.resolved["driver_path"] == "forward"
     assert verdict.resolved["forward_compat"] == {"package": "cuda-compat-12-8", "path": "/usr/local/cuda-12.8/compat",
                                                   "branches": BRANCHES_12_8}
-    # Jetson boards are covered too
+    # Jetson's forward compatibility follows JetPack's table, not these x86_64 branches: not assumed
     verdict = check(Combo(cuda="12.8", driver="535", gpu_brand="embedded"))
-    assert verdict.compatible and verdict.notes == (FORWARD_12_8.format(kind="an embedded (Jetson) GPU"),)
+    assert not verdict.compatible and verdict.notes == ()
+    assert verdict.reasons[0].endswith(" On Jetson, forward compatibility follows JetPack's own support table "
+                                       "(cuda-compat for L4T), which this knowledge base does not hold, and mopt's "
+                                       "images are built for x86_64 hosts; it is not assumed (source: FWD; "
+                                       "NVCUDA-IMG).")
+
+
+@pytest.mark.parametrize("sm,driver,first", [("100", "535", ("12.8", "570.26")), ("120", "565", ("12.8", "570.26")),
+                                             ("90", "470", ("11.8", "520.61.05"))])
+def test_forward_compatibility_does_not_serve_a_gpu_the_driver_predates(sm, driver, first):
+    cuda = "12.8"
+    verdict = check(Combo(cuda=cuda, sm=sm, driver=driver, gpu_brand="datacenter"))
+    assert not verdict.compatible and verdict.notes == () and verdict.resolved["driver_path"] == "none"
+    assert verdict.reasons[0].endswith(
+        f" Driver branch {driver} predates sm_{sm}: CUDA {first[0]}, the first to support it, needs driver >= "
+        f"{first[1]}, and forward compatibility replaces only the user-mode driver, not the kernel driver that must "
+        "know the GPU (source: FWD; NVCUDA-IMG).")
+    # the same branch serves a GPU it knows
+    assert check(Combo(cuda=cuda, sm="80", driver=driver, gpu_brand="datacenter")).compatible
+    # an arch of the oldest toolkit's baseline has no known first driver: not held against the branch
+    assert compat.driver_path(cuda, "470", "datacenter", sm="75").path == "forward"
 
 
 @pytest.mark.parametrize("brand,tail", [
@@ -123,8 +143,16 @@ def test_resolve_gpu_brand():
     assert resolve_gpu_brand("auto", (Gpu(0, "NVIDIA Foo", "9.0", "tesla"),))[0] == "datacenter"
     assert resolve_gpu_brand("auto", (h100, rtx))[0] is None              # mixed: not assumed
     assert resolve_gpu_brand("auto", ()) == (None, "no GPU detected")
-    assert resolve_gpu_brand("consumer", (h100,)) == ("consumer", "given")
+    assert resolve_gpu_brand("datacenter", (h100,)) == ("datacenter", "given")
+    assert resolve_gpu_brand("consumer", ()) == ("consumer", "given")
     assert resolve_gpu_brand("unknown", (h100,))[0] is None
+    # a given brand that a GPU's known product line contradicts is refused, naming how it is known
+    with pytest.raises(ConfigError, match=r"^--gpu-brand consumer contradicts NVIDIA H100 80GB HBM3, a datacenter GPU "
+                                          r"by the knowledge base's GPU table \(sm.gpus\); leave"):
+        resolve_gpu_brand("consumer", (h100,))
+    with pytest.raises(ConfigError, match=r"contradicts NVIDIA Foo, a consumer GPU by NVML brand geforce;"):
+        resolve_gpu_brand("datacenter", (Gpu(0, "NVIDIA Foo", "9.0", "geforce"),))
+    assert resolve_gpu_brand("datacenter", (Gpu(0, "NVIDIA Foo", "9.0"),)) == ("datacenter", "given")  # unknown
 
 
 def test_pick_takes_forward_compatibility_on_datacenter_gpus_only(plan):
@@ -194,13 +222,84 @@ def test_doctor_detects_the_product_line_and_lists_the_cuda_paths(tmp_path):
     assert check_["detail"] == (
         "product line datacenter (detected: NVIDIA H100 80GB HBM3); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 "
         "natively; CUDA 12.4, 12.6, 12.8 through forward compatibility (images carry cuda-compat-12-8 and the like)")
-    # the same host told it is a consumer card: native versions only, and a pick of the CUDA 12.1 tag
+    assert run_mopt("pick", "qwen3-embed", env=env).stdout.strip() == "mopt/qwen3-embed:cu128-sm90"
+    # the same host told it is a consumer card: the GPU table says otherwise, so both refuse the contradiction
+    contradiction = ("--gpu-brand consumer contradicts NVIDIA H100 80GB HBM3, a datacenter GPU by the knowledge "
+                     "base's GPU table (sm.gpus); leave --gpu-brand at auto, or name the GPU you mean")
+    result = run_mopt("doctor", "--format", "json", "--gpu-brand", "consumer", env=env)
+    assert result.returncode != 0
+    check_ = next(c for c in json.loads(result.stdout)["checks"] if c["name"] == "cuda-versions")
+    assert (check_["status"], check_["detail"]) == ("fail", contradiction)
+    refused = run_mopt("pick", "qwen3-embed", "--gpu-brand", "consumer", env=env)
+    assert (refused.returncode, refused.stdout) == (2, "") and contradiction in refused.stderr
+    assert "Traceback" not in refused.stderr
+    # a GPU of unknown product line told it is a consumer card: native versions only, the CUDA 12.1 tag
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA Foo, 9.0, 535.104.05")
     result = run_mopt("doctor", "--format", "json", "--gpu-brand", "consumer", env=env)
     detail = next(c for c in json.loads(result.stdout)["checks"] if c["name"] == "cuda-versions")["detail"]
     assert detail == "product line consumer (given); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 natively"
-    assert run_mopt("pick", "qwen3-embed", env=env).stdout.strip() == "mopt/qwen3-embed:cu128-sm90"
     assert run_mopt("pick", "qwen3-embed", "--gpu-brand", "consumer", env=env).stdout.strip() == \
         "mopt/qwen3-embed:cu121-sm90"
+
+
+def test_fields_nvidia_smi_cannot_read_are_reported_not_fatal(tmp_path):
+    # nvidia-smi prints [N/A] for what it cannot read: doctor reports the rest, pick says what to pass
+    env = _fake_nvidia_smi(tmp_path, "[N/A], NVIDIA H100 80GB HBM3, [N/A], [N/A]")
+    result = run_mopt("doctor", "--format", "json", env=env)
+    assert "Traceback" not in result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert (checks["nvidia-driver"]["status"], checks["nvidia-driver"]["detail"]) == (
+        "warn", "the driver reported no readable version ('[N/A]', via nvidia-smi)")
+    assert (checks["gpu0"]["status"], checks["gpu0"]["detail"]) == (
+        "warn", "NVIDIA H100 80GB HBM3: compute capability not reported (None); no tag can be matched to it")
+    assert checks["cuda-versions"]["status"] == "warn" and {"docker", "shm", "disk"} <= set(checks)
+    refused = run_mopt("pick", "qwen3-embed", env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert ("this host's driver reports version '[N/A]', which is not a driver version; pass --driver "
+            "(e.g. --driver 535.104.05)") in refused.stderr
+    # with --driver given, the GPU without a compute capability leaves the cpu tag, and says why
+    result = run_mopt("pick", "qwen3-embed", "--driver", "535.104.05", "--format", "json", env=env)
+    assert json.loads(result.stdout)["rejected"] == [
+        "no GPU of this host reported its compute capability (pass --sm, e.g. --sm 90)",
+        "no GPU tag fits this host: using the cpu variant"]
+    assert run_mopt("pick", "qwen3-embed", "--sm", "90", env=env).returncode == 2  # the driver still unreadable
+    ok = run_mopt("pick", "qwen3-embed", "--sm", "90", "--driver", "535.104.05", "--gpu-brand", "datacenter", env=env)
+    assert ok.stdout.strip() == "mopt/qwen3-embed:cu128-sm90"
+
+
+def test_pick_with_sm_or_gpu_keeps_the_hosts_driver(tmp_path):
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, 9.0, 535.104.05")
+    # CUDA 13.0 needs 580.65.06: the host's R535 still rules out cu130 when only the GPU is pretended
+    assert run_mopt("pick", "qwen3-embed", "--sm", "90", "--gpu-brand", "consumer",
+                    env=env).stdout.strip() == "mopt/qwen3-embed:cu121-sm90"
+    assert run_mopt("pick", "qwen3-embed", "--gpu", "RTX 4090", env=env).stdout.strip() == \
+        "mopt/qwen3-embed:cu121-sm89"
+    assert run_mopt("pick", "qwen3-embed", "--gpu", "H100", "--driver", "580.65.06",
+                    env=env).stdout.strip() == "mopt/qwen3-embed:cu130-sm90"
+    for flag in ("--gpu", "--sm", "--driver"):
+        empty = run_mopt("pick", "qwen3-embed", flag, " ", env=env)
+        assert (empty.returncode, empty.stdout) == (2, "") and f"{flag} is empty" in empty.stderr
+    # surrounding white space is dropped: no raw newline reaches the reasons
+    newline = run_mopt("pick", "qwen3-embed", "--driver", "535\n", "--format", "json", env=env)
+    assert any(line.startswith("cu130-sm90: CUDA 13.0 needs driver >= 580.65.06, this host has 535;")
+               for line in json.loads(newline.stdout)["rejected"])
+    # a GPU whose product line the table knows contradicts a given brand: refused, not served by 804
+    refused = run_mopt("pick", "qwen3-embed", "--gpu", "RTX 4090", "--driver", "535", "--gpu-brand", "datacenter")
+    assert refused.returncode == 2 and "--gpu-brand datacenter contradicts RTX 4090, a consumer GPU" in refused.stderr
+
+
+def test_pick_on_a_host_of_mixed_archs_picks_for_the_first_and_says_so(tmp_path):
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, 9.0, 535.104.05\n"
+                                     "1, NVIDIA GeForce RTX 4090, 8.9, 535.104.05")
+    result = run_mopt("pick", "qwen3-embed", "--format", "json", env=env)
+    out = json.loads(result.stdout)
+    # the H100 (GPU 0) is the target: its product line (data center) admits forward compatibility
+    assert out["tag"] == "cu128-sm90"
+    assert out["rejected"][0] == ("this host's GPUs differ (GPU 0 (NVIDIA H100 80GB HBM3, sm_90); GPU 1 (NVIDIA "
+                                  "GeForce RTX 4090, sm_89)): picked for sm_90, the arch of GPU 0; for the others "
+                                  "pass --sm 89")
+    # the RTX 4090 asked for by arch: a consumer card gets no forward compatibility
+    assert run_mopt("pick", "qwen3-embed", "--sm", "89", env=env).stdout.strip() == "mopt/qwen3-embed:cu121-sm89"
 
 
 def test_images_carry_the_compat_package_and_say_so(tmp_path):
@@ -336,9 +435,22 @@ def test_pick_lines_word_for_word(plan):
         "no tag is built for sm_61 (engines are tied to the GPU arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, "
         "sm_100, sm_120)", "no GPU tag fits this host: using the cpu variant"])
     assert pick(plan, "qwen3-embed", HostFacts()) == ("cpu", ["no GPU on this host: using the cpu variant"])
-    # the GPUs' archs in compute-capability order (sm_110 after sm_61, not before it as text)
-    two = HostFacts(driver="535", gpus=(Gpu(0, "Jetson Thor", "11.0"), Gpu(1, "NVIDIA P40", "6.1")))
-    assert pick(plan, "qwen3-embed", two)[1][0].startswith("no tag is built for sm_61, sm_110 (engines")
+    # several archs: the first GPU's is picked for, the others named in compute-capability order (sm_80
+    # before sm_110, not after it as text); one whose arch is unknown is left out
+    three = HostFacts(driver="535", gpus=(Gpu(0, "NVIDIA P40", "6.1"), Gpu(1, "Jetson Thor", "11.0"),
+                                          Gpu(2, "NVIDIA A100", "8.0"), Gpu(3, "NVIDIA Foo", None)))
+    assert pick(plan, "qwen3-embed", three)[1][:2] == [
+        "this host's GPUs differ (GPU 0 (NVIDIA P40, sm_61); GPU 1 (Jetson Thor, sm_110); GPU 2 (NVIDIA A100, sm_80); "
+        "GPU 3 (NVIDIA Foo, compute capability unknown)): picked for sm_61, the arch of GPU 0; for the others pass "
+        "--sm 80 or --sm 110",
+        "no tag is built for sm_61 (engines are tied to the GPU arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, "
+        "sm_100, sm_120)"]
+    # GPUs of one arch with one whose arch is unknown: still a note, and no --sm to suggest
+    odd = HostFacts(driver="580.65.06", gpus=(Gpu(0, "NVIDIA Foo", None), Gpu(1, "NVIDIA H100", "9.0")))
+    tag, why = pick(plan, "qwen3-embed", odd)
+    assert tag == "cu130-sm90" and why == [
+        "this host's GPUs differ (GPU 0 (NVIDIA Foo, compute capability unknown); GPU 1 (NVIDIA H100, sm_90)): "
+        "picked for sm_90, the arch of GPU 1"]
 
 
 def test_make_plan_checks_every_variant_for_the_gpu_brand_given():

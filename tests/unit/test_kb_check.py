@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from builder import compat, kbcheck
-from builder.errors import IndexUnavailable
+from builder.errors import ConfigError, IndexUnavailable
 from tests.conftest import run_mopt
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kb-index"
@@ -365,9 +365,27 @@ def test_an_http_error_and_a_redirect_elsewhere_are_refused(index, tmp_path):
         kbcheck.check(kb, index.url)
 
 
-def test_a_bad_index_url_is_bad_input():
-    result = run_mopt("kb", "check", "--index-url", "file:///etc/passwd")
-    assert result.returncode == 2 and "expected http(s)://" in result.stderr
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "http://[::1", "http://", "ftp://x"])
+def test_a_bad_index_url_is_bad_input(url):
+    result = run_mopt("kb", "check", "--index-url", url)
+    assert result.returncode == 2 and "expected http(s)://" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_wildcard_and_arbitrary_pins_are_read_or_left_not_fatal():
+    from packaging.requirements import Requirement
+
+    def meta(*reqs):
+        return kbcheck.Metadata(package="torch", version="2.20.0", requires=tuple(Requirement(r) for r in reqs))
+
+    # ==12.8.* fixes CUDA 12.8 but names no toolkit release
+    assert kbcheck.default_cuda(meta("nvidia-cuda-runtime-cu12==12.8.*")) == ("12.8", None)
+    assert kbcheck.default_cuda(meta("cuda-toolkit==13.2.*")) == ("13.2", None)
+    assert kbcheck.default_cuda(meta("cuda-toolkit==13.2.2")) == ("13.2", "13.2.2")
+    # a pin of the major alone tells no minor: no default CUDA, but the major counts
+    assert kbcheck.default_cuda(meta("cuda-toolkit==13.*")) is None
+    assert kbcheck.cuda_majors(meta("cuda-toolkit==13.*")) == {13}
+    assert kbcheck.default_cuda(meta("cuda-toolkit===foo")) is None
+    assert kbcheck.cuda_majors(meta("cuda-toolkit===foo")) == set()
 
 
 def test_requirement_specifiers_in_kb_notation():
@@ -549,3 +567,16 @@ def test_against_the_real_index_where_reachable(tmp_path):
     assert not [f.message for f in drops if f.kind == "disagrees"]
     assert not {"2.6.0", "2.9.0", "2.15.0", "0.6.4", "0.11.1", "0.32.0", "1.1.0"} & {f.version for f in drops}
     assert kbcheck.render_markdown(report).startswith("## mopt kb check")
+
+
+def test_metadata_no_reader_can_take_is_an_unread_finding_not_bad_input(index, tmp_path, monkeypatch):
+    # whatever a package's reader cannot parse in the index's answer stops that package only
+    def unreadable(run, spec, doc, versions):
+        raise ConfigError("not a version: '12.8.x'")
+
+    monkeypatch.setitem(kbcheck._READERS, "torch", unreadable)
+    report = kbcheck.check(make_kb(tmp_path / "kb.yaml"), index.url)
+    (finding,) = [f for f in report.findings if f.package == "torch"]
+    assert (finding.kind, finding.message) == (
+        "unread", "torch: the index's metadata could not be read (not a version: '12.8.x').")
+    assert any(f.package == "vllm" for f in report.findings)  # the other packages were still read

@@ -138,7 +138,8 @@ def test_normalize_cuda(value, expected):
     assert normalize_cuda(value) == expected
 
 
-@pytest.mark.parametrize("bad", ["12", "cuda", "cu1", "12.x", None, True])
+@pytest.mark.parametrize("bad", ["12", "cuda", "cu1", "12.x", None, True, "12.07", "012.8", "12.8.1.2",
+                                 "12.8.01", "12.8\n1"])
 def test_normalize_cuda_rejects_junk(bad):
     with pytest.raises(ConfigError):
         normalize_cuda(bad)
