@@ -287,8 +287,10 @@ def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = 
     if targets:
         sm = targets[0].sm
         same_arch = [v for v in variants if v.device == "cuda" and v.resolved.get("sm") == sm]
-        if not same_arch:
-            built = sorted({v.resolved["sm"] for v in variants if v.device == "cuda"}, key=sm_major_minor)
+        built = sorted({v.resolved["sm"] for v in variants if v.device == "cuda"}, key=sm_major_minor)
+        if not built:
+            why_not.append(f"{image} has no GPU tags")
+        elif not same_arch:
             why_not.append(f"no tag is built for sm_{sm} "
                            f"(engines are tied to the GPU arch; built: {', '.join('sm_' + s for s in built)})")
         fits, forward = [], {}

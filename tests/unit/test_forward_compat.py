@@ -445,6 +445,9 @@ def test_pick_lines_word_for_word(plan):
         "--sm 80 or --sm 110",
         "no tag is built for sm_61 (engines are tied to the GPU arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, "
         "sm_100, sm_120)"]
+    # an image with no GPU tags says so on a GPU host (seen on the H200: benchmarks/gpu_host_probe.py)
+    assert pick(plan, "minilm-embed", HostFacts(driver="580.159.04", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))) == (
+        "cpu", ["minilm-embed has no GPU tags", "no GPU tag fits this host: using the cpu variant"])
     # GPUs of one arch with one whose arch is unknown: still a note, and no --sm to suggest
     odd = HostFacts(driver="580.65.06", gpus=(Gpu(0, "NVIDIA Foo", None), Gpu(1, "NVIDIA H100", "9.0")))
     tag, why = pick(plan, "qwen3-embed", odd)
