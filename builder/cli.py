@@ -6,6 +6,7 @@ User errors print one line, never a traceback.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -86,9 +87,10 @@ sign_key_option = click.option(
          "them to its digest in the registry (check with mopt verify).")
 
 _GPU_BRANDS = ["auto", "datacenter", "workstation", "consumer", "embedded", "unknown"]
-_GPU_BRAND_HELP = ("The GPU's product line, for driver checks: a data-center (or Jetson) GPU runs newer CUDA images "
-                   "on older driver branches through forward compatibility (cuda-compat); consumer GPUs do not. "
-                   "auto: detected through NVML (or nvidia-smi's GPU name) where a GPU is present, else unknown.")
+_GPU_BRAND_HELP = ("The GPU's product line, for driver checks: a data-center GPU runs newer CUDA images on older "
+                   "driver branches through forward compatibility (cuda-compat); consumer GPUs do not, and Jetson's "
+                   "(JetPack's own table) is not assumed. auto: detected through NVML (or nvidia-smi's GPU name) "
+                   "where a GPU is present, else unknown.")
 gpu_brand_option = click.option("--gpu-brand", "gpu_brand", type=click.Choice(_GPU_BRANDS), default="auto",
                                 show_default=True, help=_GPU_BRAND_HELP)
 # plan describes what to build: the same on every machine unless asked (no detection by default)
@@ -207,7 +209,21 @@ def compat(fmt: str, gpu_brand: str, **values) -> None:
                           "--driver, --python")
     if values["sm"] is not None:
         values["sm"] = normalize_sm(values["sm"])
-    verdict = kb.check(kb.Combo(**values, gpu_brand=_gpu_brand(gpu_brand)))
+    host_note = None
+    if gpu_brand == "auto":  # this host's GPU: its product line, and (for a driver) its arch
+        from .doctor import gpus_of_arch, query_gpus
+
+        targets = gpus_of_arch(query_gpus()[1], values["sm"])
+        brand = _gpu_brand(gpu_brand, targets)
+        if values["sm"] is None and values["driver"] and targets:
+            values["sm"] = targets[0].sm
+            host_note = (f"GPU arch sm_{targets[0].sm} is this host's ({targets[0].describe()}): forward "
+                         "compatibility depends on it; pass --sm (or --gpu-brand) to ask about another GPU.")
+    else:
+        brand = _gpu_brand(gpu_brand)
+    verdict = kb.check(kb.Combo(**values, gpu_brand=brand))
+    if host_note:
+        verdict = dataclasses.replace(verdict, notes=(host_note, *verdict.notes))
     if fmt == "json":
         _echo_json({"compatible": verdict.compatible, "reasons": list(verdict.reasons),
                     "warnings": list(verdict.warnings), "notes": list(verdict.notes), "resolved": verdict.resolved})
@@ -735,7 +751,7 @@ def main(argv: list[str] | None = None) -> None:
         stderr.print("mopt: aborted")
         sys.exit(130)
     except click.ClickException as exc:
-        stderr.print(f"mopt: error: {exc.format_message()}", markup=False)
+        stderr.print(f"mopt: error: {_capped(exc.format_message())}", markup=False)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         stderr.print("mopt: interrupted")

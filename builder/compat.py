@@ -20,7 +20,7 @@ from typing import Any
 import jsonschema
 
 from .axes import PACKAGE_AXES
-from .errors import ConfigError, IncompatibleError
+from .errors import ConfigError, IncompatibleError, clipped, quoted
 from .versions import (
     compare_versions,
     in_any,
@@ -215,8 +215,7 @@ def load_knowledge_base(path: str | Path | None = None) -> KnowledgeBase:
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.path))))
     if errors:
         err = jsonschema.exceptions.best_match(errors)
-        detail = err.message if len(err.message) <= 300 else err.message[:300] + "..."
-        raise ConfigError(f"does not match the compat schema: {detail}", file=file,
+        raise ConfigError(f"does not match the compat schema: {clipped(err.message)}", file=file,
                           key=_keypath(err.absolute_path))
     _validate_semantics(data, file)
     return KnowledgeBase(data=data, path=file)
@@ -336,7 +335,7 @@ def gpu_compute_capability(name: str, kb: KnowledgeBase | None = None) -> str:
     kb = kb or knowledge_base()
     row = _gpu_row(name, kb)
     if row is None:
-        raise ConfigError(f"GPU {name!r} is not in the compatibility knowledge base's GPU table (sm.gpus)")
+        raise ConfigError(f"GPU {quoted(name)} is not in the compatibility knowledge base's GPU table (sm.gpus)")
     return row["cc"]
 
 
@@ -356,15 +355,19 @@ def gpu_brand_of(name: str, nvml_brand: str | None = None, kb: KnowledgeBase | N
     return None
 
 
-def forward_compat(cuda: str, kb: KnowledgeBase | None = None) -> dict:
+def forward_compat(cuda: str, kb: KnowledgeBase | None = None, sm: str | None = None) -> dict:
     """What an image of this CUDA version carries for forward compatibility: the cuda-compat package,
-    where its libraries go, and the driver branches NVIDIA supports it on (empty when not sourced)."""
+    where its libraries go, and the driver branches NVIDIA supports it on (empty when not sourced); for a
+    GPU arch `sm`, only the branches that know that GPU."""
     kb = kb or knowledge_base()
     fc = kb.data["cuda"]["forward_compatibility"]
     major, minor = release(normalize_cuda(cuda))[:2]
+    branches = _forward_branches(kb, f"{major}.{minor}")
+    arch = _arch_min_driver(kb, sm) if sm else None
+    if arch:
+        branches = tuple(b for b in branches if b >= release(arch[1])[0])
     return {"package": fc["package"].format(major=major, minor=minor),
-            "path": fc["path"].format(major=major, minor=minor),
-            "branches": list(_forward_branches(kb, f"{major}.{minor}"))}
+            "path": fc["path"].format(major=major, minor=minor), "branches": list(branches)}
 
 
 def _forward_branches(kb: KnowledgeBase, mm: str) -> tuple[int, ...]:
@@ -379,13 +382,15 @@ def _forward_branches(kb: KnowledgeBase, mm: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _arch_min_driver(kb: KnowledgeBase, sm: str) -> tuple[str, str] | None:
-    """(the first CUDA for sm, its minimum driver): no older driver knows the GPU. None where the KB does
-    not tell (an arch of its oldest toolkit's baseline, or one added before its first toolkit row)."""
+def _arch_min_driver(kb: KnowledgeBase, sm: str) -> tuple[str, str, str] | None:
+    """(the first CUDA for sm, its minimum driver, their sources): no older driver knows the GPU. None where
+    the KB does not tell (an arch of its oldest toolkit's baseline, or one added before its first toolkit)."""
     row = kb.arch(normalize_sm(sm).removesuffix("a"))
     added = row.get("added") if row else None
     floor = _toolkit_min_driver(kb, added) if added else None
-    return (added, floor) if floor else None
+    if not floor:
+        return None
+    return added, floor, f"(source: {row['source']}; {kb.toolkit(added)['source']})"
 
 
 @dataclass(frozen=True)
@@ -423,8 +428,8 @@ def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: Knowle
         if supported and arch and branch < release(arch[1])[0]:
             return DriverPath("none", floor, (
                 f"{_driver_text(driver)} predates sm_{sm}: CUDA {arch[0]}, the first to support it, needs driver "
-                f">= {arch[1]}, and forward compatibility replaces only the user-mode driver, not the kernel "
-                f"driver that must know the GPU {src}"), src)
+                f">= {arch[1]} {arch[2]}, and forward compatibility replaces only the user-mode driver, not the "
+                f"kernel driver that must know the GPU {src}"), src)
         if supported:
             return DriverPath("forward", floor, (
                 f"{_driver_text(driver)} is below CUDA {cuda}'s minimum driver {floor}, but "
@@ -665,17 +670,17 @@ def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str 
     floor = _toolkit_min_driver(kb, cuda)
     ctx.resolved["min_driver"] = floor
     if problem:
-        if kb.unconfirmed_cuda(cuda) and not kb.nonexistent(cuda):
-            ctx.warn("UNCONFIRMED: " + problem + " A driver is checked against the newest known CUDA's minimum.")
-        else:
-            ctx.reject(problem)
+        if not (kb.unconfirmed_cuda(cuda) and not kb.nonexistent(cuda)):
+            ctx.reject(problem)  # never released, or unknown: no driver to hold it to
+            return
+        ctx.warn("UNCONFIRMED: " + problem + " A driver is checked against the newest known CUDA's minimum.")
     if floor is not None:
-        ctx.resolved["forward_compat"] = forward_compat(cuda, kb)
+        ctx.resolved["forward_compat"] = forward_compat(cuda, kb, sm)
     tk = kb.toolkit(cuda)
     _warn_unknown_update(ctx, cuda, tk, floor)
     if not driver:
         return
-    before = _newest_floor_before(kb, cuda) if floor is None else None
+    before = _newest_floor_before(kb, cuda) if floor is None else None  # past the table (unconfirmed)
     limit, limit_row = _driver_limit(floor, tk, before, mvc)
     if limit is None:
         return
@@ -779,12 +784,7 @@ def _check_tensorrt(ctx: _Ctx, trt: str, explicit: bool, cuda: str | None, sm: s
             _dropped(ctx, "tensorrt", trt, "sm", sm, cuda=cuda)
 
 
-_PYTHON = re.compile(r"[23]\.\d{1,2}(\.\d{1,3})?", re.ASCII)
-
-
-def _quoted(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "...'"
+_PYTHON = re.compile(r"[23]\.(0|[1-9]\d?)(\.(0|[1-9]\d{0,2}))?", re.ASCII)
 
 
 def _torch_local_cuda(torch: str) -> str | None:
@@ -926,19 +926,37 @@ def _check_torch_arch(ctx: _Ctx, torch: str, mm: str, sm: str, soft: str) -> Non
                              f"without PTX; sm_{sm} is not covered{note} {asrc}.", soft=soft)
 
 
+def _check_driver_without_cuda(ctx: _Ctx, combo: Combo, driver: str, sm: str | None) -> None:
+    """No CUDA given: a package from PyPI brings its default CUDA build (vLLM's wheels, torch's default), and
+    the driver is held to that; with neither, there is nothing to hold it to."""
+    if ctx.resolved.get("vllm_wheel_cuda"):
+        cuda, whose = ctx.resolved["vllm_wheel_cuda"], f"vLLM {combo.vllm}'s PyPI wheels"
+    elif ctx.resolved.get("torch_default_cuda"):
+        cuda, whose = ctx.resolved["torch_default_cuda"], f"torch {ctx.resolved['torch']}'s PyPI default build"
+    else:
+        ctx.warn(f"{_driver_text(driver)} given without a CUDA version; nothing to check it against.")
+        return
+    ctx.note(f"no CUDA version given: the driver is checked against CUDA {cuda}, the CUDA of {whose}.")
+    _check_cuda_driver(ctx, cuda, driver, combo.gpu_brand, sm)
+
+
 def _validated_packages(combo: Combo) -> str | None:
     """ConfigError for a malformed Python or package version; the CUDA a torch +cuXYZ local part names."""
     if combo.python is not None and not _PYTHON.fullmatch(str(combo.python).strip()):
-        raise ConfigError(f"not a Python version: {_quoted(combo.python)}; write e.g. 3.12 or 3.12.4")
+        raise ConfigError(f"not a Python version: {quoted(combo.python)}; write e.g. 3.12 or 3.12.4")
     for name in PACKAGE_AXES:
         value = getattr(combo, name)
         if value is not None:
             parse_version(value)
     if combo.torch is None:
         return None
-    local, local_cuda = parse_version(combo.torch).local, _torch_local_cuda(combo.torch)
+    local = parse_version(combo.torch).local
+    try:
+        local_cuda = _torch_local_cuda(combo.torch)
+    except ConfigError:
+        local_cuda = None  # +cu1, +cu99999: said below
     if local and local != "cpu" and not local_cuda:
-        raise ConfigError(f"torch {_quoted(combo.torch)}: its local version +{local} is not a build tag "
+        raise ConfigError(f"torch {quoted(combo.torch)}: its local version +{local} is not a build tag "
                           "mopt knows (+cpu or +cuXYZ, e.g. 2.9.0+cu128)")
     return local_cuda
 
@@ -965,15 +983,8 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     eff_cuda = cuda or ctx.resolved.get("cuda")
     if combo.vllm:
         _check_vllm(ctx, combo, eff_cuda)
-    wheel_cuda = ctx.resolved.get("vllm_wheel_cuda")
     if eff_cuda:
         _check_cuda_driver(ctx, eff_cuda, driver, combo.gpu_brand, sm)
-    elif driver and wheel_cuda:  # vLLM from PyPI brings its default CUDA build
-        ctx.note(f"no CUDA version given: the driver is checked against CUDA {wheel_cuda}, the CUDA of "
-                 f"vLLM {combo.vllm}'s PyPI wheels.")
-        _check_cuda_driver(ctx, wheel_cuda, driver, combo.gpu_brand, sm)
-    elif driver:
-        ctx.warn(f"{_driver_text(driver)} given without a CUDA version; nothing to check it against.")
     arch_sm = _check_sm_cuda(ctx, sm, eff_cuda) if sm else None
     trt = combo.tensorrt or ctx.resolved.get("tensorrt")
     if trt and (combo.tensorrt or _pin_version(trt)):      # an implied range names no release to look up
@@ -983,6 +994,8 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     torch = combo.torch or ctx.resolved.get("torch")
     if torch:
         _check_torch(ctx, torch, bool(combo.torch), eff_cuda, sm if arch_sm else None, combo.python)
+    if driver and not eff_cuda:
+        _check_driver_without_cuda(ctx, combo, driver, sm)
 
     return Verdict(compatible=not ctx.reasons, reasons=tuple(ctx.reasons), warnings=tuple(ctx.warnings),
                    resolved=dict(ctx.resolved), notes=tuple(ctx.notes))

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import compat
-from .errors import ConfigError, IncompatibleError
+from .errors import ConfigError, IncompatibleError, quoted
 from .plan import Plan
-from .versions import cc_to_sm, parse_version, sm_major_minor
+from .versions import cc_to_sm, parse_version, sm_major_minor, sm_to_cc
 
 MIN_SHM_MIB = 1024
 MIN_FREE_GIB = 20
@@ -38,9 +38,10 @@ class Gpu:
 
     @property
     def sm(self) -> str | None:
-        """Its arch ("90"); None when the compute capability is unknown or not one."""
+        """Its arch ("90"): from its compute capability, else (not reported) from its name in the GPU table;
+        None when neither tells."""
         try:
-            return cc_to_sm(self.cc) if self.cc else None
+            return cc_to_sm(self.cc or compat.gpu_compute_capability(self.name))
         except ConfigError:
             return None
 
@@ -123,10 +124,11 @@ def query_gpus() -> tuple[str | None, tuple[Gpu, ...], str]:
     gpus, driver = [], None
     for position, line in enumerate(result.stdout.strip().splitlines()):
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 4:  # fields it cannot read come as "[N/A]": kept as unknown, not fatal
+        if len(parts) >= 4:  # fields it cannot read come as "[N/A]": kept as unknown, not fatal
             index = int(parts[0]) if parts[0].isascii() and parts[0].isdigit() else position
-            gpus.append(Gpu(index, parts[1], parts[2] if _CC.fullmatch(parts[2]) else None))
-            driver = parts[3]  # as reported: valid_driver() decides whether it can be read
+            name = ", ".join(parts[1:-2])  # a name may hold commas; the last two fields are fixed
+            gpus.append(Gpu(index, name, parts[-2] if _CC.fullmatch(parts[-2]) else None))
+            driver = parts[-1]  # as reported: valid_driver() decides whether it can be read
     return driver, tuple(gpus), "nvidia-smi"
 
 
@@ -141,6 +143,16 @@ def valid_driver(driver: str | None) -> str | None:
         return normalize_driver(driver) if driver else None
     except ConfigError:
         return None
+
+
+def gpus_of_arch(gpus: tuple[Gpu, ...], sm: str | None) -> tuple[Gpu, ...]:
+    """The host's GPUs a question is about: those of arch `sm` when it is given, else target_gpus'."""
+    from .versions import normalize_sm
+
+    if sm is None:
+        return target_gpus(gpus)[0]
+    want = normalize_sm(sm)
+    return tuple(g for g in gpus if g.sm == want)
 
 
 def target_gpus(gpus: tuple[Gpu, ...]) -> tuple[tuple[Gpu, ...], str]:
@@ -229,16 +241,17 @@ def inspect_host(gpu_brand: str = "auto") -> HostFacts:
             checks.append(Check("nvidia-driver", "ok", f"driver {driver} (via {how})"))
         else:
             checks.append(Check("nvidia-driver", "warn", f"the driver reported no readable version "
-                                                         f"({_shown(reported)}, via {how})",
+                                                         f"({quoted(reported)}, via {how})",
                                 "nvidia-smi --query-gpu=driver_version --format=csv should print e.g. 550.54.14"))
         for gpu in gpus:
             if gpu.sm:
-                checks.append(Check(f"gpu{gpu.index}", "ok", f"{gpu.name}, compute capability {gpu.cc} "
+                cc = gpu.cc or f"not reported, {sm_to_cc(gpu.sm)} by the GPU table"
+                checks.append(Check(f"gpu{gpu.index}", "ok", f"{gpu.name}, compute capability {cc} "
                                                             f"(sm_{gpu.sm}), product line {gpu.brand or 'unknown'}"))
             else:
-                checks.append(Check(f"gpu{gpu.index}", "warn", f"{gpu.name}: compute capability not reported "
-                                                              f"({_shown(gpu.cc)}); no tag can be matched to it",
-                                    "pass --sm to mopt pick (e.g. --sm 90)"))
+                checks.append(Check(f"gpu{gpu.index}", "warn", f"{gpu.name}: compute capability not reported, and "
+                                                              "the name is not in the GPU table; no tag can be "
+                                                              "matched to it", "pass --sm to mopt pick (e.g. --sm 90)"))
         targets, _ = target_gpus(gpus)
         try:
             brand = resolve_gpu_brand(gpu_brand, targets or gpus)
@@ -282,8 +295,10 @@ def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = 
     targets, mixed = target_gpus(facts.gpus)
     if mixed:
         why_not.append(mixed)
-    if facts.gpus and not targets:
-        why_not.append("no GPU of this host reported its compute capability (pass --sm, e.g. --sm 90)")
+    if facts.gpus and not targets:  # a GPU is there: the cpu tag would be a wrong answer, not a fallback
+        raise ConfigError(f"no GPU of this host has a known arch ({'; '.join(g.describe() for g in facts.gpus)}): "
+                          "its compute capability was not reported and its name is not in the GPU table; pass "
+                          "--sm (e.g. --sm 90)")
     if targets:
         sm = targets[0].sm
         same_arch = [v for v in variants if v.device == "cuda" and v.resolved.get("sm") == sm]
@@ -328,17 +343,11 @@ def gpu_from_name(name: str) -> Gpu:
     return Gpu(0, name, compat.gpu_compute_capability(name))
 
 
-def _shown(value: object, limit: int = 60) -> str:
-    """A value as an error quotes it, cut to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "...'"
-
-
 def facts_override(facts: HostFacts, gpu: str | None, sm: str | None, driver: str | None) -> HostFacts:
     """Let a deployer ask for another host than this one (`mopt pick --sm 86 --driver 535.54.03`): --gpu and
     --sm replace the GPUs, --driver the driver; what is not given stays this host's. A host driver that
     cannot be read is refused here, where a tag would be picked by it."""
-    from .versions import normalize_sm, sm_to_cc
+    from .versions import normalize_sm
 
     gpus = facts.gpus
     for flag, value in (("--gpu", gpu), ("--sm", sm), ("--driver", driver)):
@@ -347,14 +356,20 @@ def facts_override(facts: HostFacts, gpu: str | None, sm: str | None, driver: st
     if gpu is not None:
         gpus = (gpu_from_name(gpu.strip()),)
     if sm is not None:
-        name = gpus[0].name if gpu is not None else f"sm_{normalize_sm(sm)}"  # another arch: another GPU
-        gpus = (Gpu(0, name, sm_to_cc(normalize_sm(sm))),)
+        want = normalize_sm(sm)
+        pretend = Gpu(0, f"sm_{want}", sm_to_cc(want))
+        if pretend.sm is None:
+            raise ConfigError(f"--sm {quoted(sm)}: not a GPU architecture (compute capability {pretend.cc})")
+        if gpu is not None and gpus[0].sm != want.removesuffix("a"):
+            raise ConfigError(f"--gpu {quoted(gpu.strip())} is sm_{gpus[0].sm}, not sm_{want}: give one of them")
+        # a GPU of this host with that arch keeps its name and product line; another arch is another GPU
+        gpus = gpus if gpu is not None else (gpus_of_arch(facts.gpus, want) or (pretend,))
     if driver is not None:
         if valid_driver(driver) is None:
-            raise ConfigError(f"--driver {_shown(driver)}: expected a branch (535) or a version like 535.54.03")
+            raise ConfigError(f"--driver {quoted(driver)}: expected a branch (535) or a version like 535.54.03")
         driver = valid_driver(driver)
     elif facts.driver and facts.gpus and valid_driver(facts.driver) is None:
-        raise ConfigError(f"this host's driver reports version {_shown(facts.driver)}, which is not a driver "
+        raise ConfigError(f"this host's driver reports version {quoted(facts.driver)}, which is not a driver "
                           "version; pass --driver (e.g. --driver 535.104.05)")
     return HostFacts(driver=driver or valid_driver(facts.driver), gpus=gpus, docker_server=facts.docker_server,
                      runtimes=facts.runtimes, checks=facts.checks)

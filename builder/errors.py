@@ -2,6 +2,16 @@
 from __future__ import annotations
 
 
+def clipped(text: str, limit: int = 300) -> str:
+    """`text` cut to `limit` characters: an error that quotes a file or a value stays one readable line."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def quoted(value: object, limit: int = 60) -> str:
+    """A value as an error message quotes it (its repr), clipped."""
+    return clipped(repr(value), limit)
+
+
 class MoptError(Exception):
     """Base class: a message for the user and the process exit code."""
 

@@ -36,7 +36,7 @@ from packaging.version import InvalidVersion, Version
 
 from .compat import DATA_FILE as KB_FILE
 from .compat import KnowledgeBase, load_knowledge_base
-from .errors import ConfigError, IndexUnavailable
+from .errors import ConfigError, IndexUnavailable, clipped
 from .versions import in_any, major_minor, parse_range, release
 from .yamlio import parse_json_bounded, safe_load_bounded
 
@@ -288,13 +288,17 @@ def _exact_pin(req: Requirement | None) -> str | None:
     return None
 
 
+_PLAIN_RELEASE = re.compile(r"(0|[1-9]\d*)(\.(0|[1-9]\d*))*", re.ASCII)
+
+
 def _pinned_release(req: Requirement | None) -> str | None:
-    """An exact pin, or the release prefix a wildcard pin fixes: ==12.8.90 -> "12.8.90", ==12.8.* -> "12.8"."""
+    """A CUDA release an exact or wildcard pin fixes: ==12.8.90 -> "12.8.90", ==12.8.* -> "12.8"; None for
+    anything but plain release numbers (an epoch, a local part, leading zeros are no CUDA release)."""
     specs = list(req.specifier) if req else []
-    if len(specs) == 1 and specs[0].operator == "==" and specs[0].version.endswith(".*"):
-        prefix = specs[0].version[:-2]
-        return prefix if re.fullmatch(r"\d+(\.\d+)*", prefix) else None
-    return _exact_pin(req)
+    if len(specs) != 1 or specs[0].operator != "==":
+        return None
+    version = specs[0].version.removesuffix(".*")
+    return version if _PLAIN_RELEASE.fullmatch(version) else None
 
 
 def kb_range(req: Requirement) -> str:
@@ -303,7 +307,9 @@ def kb_range(req: Requirement) -> str:
     terms = []
     for spec in sorted(req.specifier, key=lambda s: (s.operator.lstrip("<>=!~"), s.version, s.operator)):
         op, ver = spec.operator, spec.version
-        if op in ("==", "==="):
+        if op == "==" and ver.endswith(".*"):
+            terms.append(ver[:-2])  # ==10.* is the KB's prefix notation: 10
+        elif op in ("==", "==="):
             terms.append(ver)
         elif op == "~=":
             rel = Version(ver).release
@@ -776,16 +782,34 @@ _READERS: dict[str, Callable[[_Run, PackageSpec, dict, list[Version]], None]] = 
 }
 
 
-def index_url(explicit: str | None, settings: Settings) -> str:
-    url = (explicit or os.environ.get(INDEX_URL_ENV) or settings.default_index_url).rstrip("/")
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?", re.ASCII)
+
+
+def _url_problem(url: str) -> str | None:
+    """Why `url` cannot be the JSON API's root (None when it can): read here, not by the HTTP client, so a
+    malformed one is bad input (exit 2), never a traceback or 'cannot reach'."""
     try:
         parts = urlsplit(url)
-        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
-    except ValueError:  # e.g. an unclosed IPv6 bracket
-        usable = False
-    if not usable:
-        shown = url if len(url) <= 80 else url[:80] + "..."
-        raise ConfigError(f"index URL {shown!r}: expected http(s)://HOST[:PORT]/PATH (the JSON API's root)")
+        host, _ = parts.hostname, parts.port  # .port raises on a port that is not one
+    except ValueError:  # e.g. an unclosed IPv6 bracket, port 99999 or "abc"
+        return "expected http(s)://HOST[:PORT]/PATH (the JSON API's root)"
+    if parts.scheme not in ("http", "https") or not host or any(c.isspace() for c in url):
+        return "expected http(s)://HOST[:PORT]/PATH (the JSON API's root)"
+    if parts.username is not None or parts.password is not None:
+        return "carries credentials; the JSON API needs none (and they would be printed in errors)"
+    if ":" not in host and not all(_LABEL.fullmatch(label) for label in host.rstrip(".").split(".")):
+        return "the host name is not one (empty labels, labels over 63 characters or other characters)"
+    return None
+
+
+def index_url(explicit: str | None, settings: Settings) -> str:
+    if explicit is not None and not explicit.strip():
+        raise ConfigError("--index-url is empty")
+    url = (explicit or os.environ.get(INDEX_URL_ENV) or settings.default_index_url).rstrip("/")
+    problem = _url_problem(url)
+    if problem:
+        shown = clipped(re.sub(r"//[^/@]*@", "//", url), 80)  # never echo credentials
+        raise ConfigError(f"index URL {shown!r}: {problem}")
     return url
 
 
@@ -881,6 +905,9 @@ def write_rows(report: Report, kb_path: Path | None = None, today: str | None = 
         for row in rows:
             _range_ok(row)
         os.replace(tmp.name, path)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: the proposed rows would not load ({err.message.replace(tmp.name, str(path))}); "
+                          "nothing was written") from None
     finally:
         if os.path.exists(tmp.name):
             os.unlink(tmp.name)

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import ConfigError
+from .errors import ConfigError, quoted
 
 __all__ = [
     "VersionRange",
@@ -256,14 +256,9 @@ def normalize_cuda(value: object) -> str:
         return f"{int(digits[:-1])}.{digits[-1]}"
     parts = text.split(".")
     if not _DOTTED.match(text) or not 2 <= len(parts) <= 3 or any(p != str(int(p)) for p in parts):
-        raise ConfigError(f"not a CUDA version: {_short(value)}; write e.g. 12.1, 12.1.1 or cu121")
+        raise ConfigError(f"not a CUDA version: {quoted(value)}; write e.g. 12.1, 12.1.1 or cu121")
     return text
 
-
-def _short(value: object, limit: int = 60) -> str:
-    """A value as an error message quotes it, cut to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "...'"
 
 
 _DRIVER_RE = re.compile(r"\d{3}(\.\d{1,3}){0,2}", re.ASCII)
@@ -275,5 +270,5 @@ def normalize_driver(value: object) -> str:
         raise ConfigError(f"not an NVIDIA driver version: {value!r}")
     text = str(value).strip()
     if not _DRIVER_RE.fullmatch(text):
-        raise ConfigError(f"not an NVIDIA driver version: {_short(value)}; write a branch (535) or 550.54.14")
+        raise ConfigError(f"not an NVIDIA driver version: {quoted(value)}; write a branch (535) or 550.54.14")
     return text

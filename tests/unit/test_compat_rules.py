@@ -204,12 +204,13 @@ def test_require_cuda_env(cuda, expected):
 # ------------------------------------------------------------------------------ sm x CUDA
 
 def test_resolved_values_of_a_plain_combo():
+    # forward_compat's branches are those that know an sm_90 GPU (R470 predates it)
     assert check(Combo(cuda="12.8", sm="sm_90", driver="570.26", python="3.11")).resolved == {
         "cuda": "12.8", "sm": "90", "driver": "570.26", "tensorrt": None, "tensorrt_llm": None, "vllm": None,
         "torch": None, "python": "3.11", "gpu_brand": None, "cc": "9.0", "cuda_major": 12, "min_driver": "570.26",
         "min_driver_mvc": "525.60.13", "driver_path": "native",
         "forward_compat": {"package": "cuda-compat-12-8", "path": "/usr/local/cuda-12.8/compat",
-                           "branches": [470, 535, 550, 560, 565]}}
+                           "branches": [535, 550, 560, 565]}}
     assert check(Combo(python="3.11")).resolved == {
         "cuda": None, "sm": None, "driver": None, "tensorrt": None, "tensorrt_llm": None, "vllm": None,
         "torch": None, "python": "3.11", "gpu_brand": None, "cc": None, "cuda_major": None, "min_driver": None,
@@ -1062,3 +1063,104 @@ def test_a_row_that_does_not_apply_does_not_hide_a_later_one():
         "(source: Y).",
         "vLLM dropped Python 3.11 in 0.25.0 and a dropped line does not come back: vLLM 0.26.0 does not support Python "
         "3.11 (source: Y)."]
+
+
+# ------------------------------------------------------------------------------ floors past the table, by edits
+
+def test_past_the_table_the_newest_earlier_floor_is_compared_as_a_version():
+    # 595.100.2 is newer than 595.59.1 by release, older as text: the release order decides
+    kb = _edited(lambda d: _row(d, ("cuda", "toolkits"), "version", "13.2").update(
+        updates={"1": "595.59.1", "2": "595.100.2"}))
+    assert _verdict(kb, cuda="13.3", driver="595.60")[0] == (
+        "driver 595.60 is below 595.100.2, the minimum driver of CUDA 13.2, the newest release the knowledge base "
+        "knows before CUDA 13.3; a later CUDA never needs an older driver (source: RN13.2 Table 3).",)
+    # a newest toolkit without update rows: its own floor
+    kb = _edited(lambda d: _row(d, ("cuda", "toolkits"), "version", "13.2").pop("updates"))
+    assert _verdict(kb, cuda="13.3", driver="595.45.04")[0] == ()
+    assert _verdict(kb, cuda="13.3", driver="595.45.03")[0][0].startswith(
+        "driver 595.45.03 is below 595.45.04, the minimum driver of CUDA 13.2")
+
+
+def test_past_the_table_with_nothing_before_it_the_mvc_floor_holds():
+    # CUDA 11.5: no toolkit row before it (the table starts at 11.8), but 11.x's MVC floor is known
+    kb = _edited(lambda d: d["cuda"]["unconfirmed"][0].update(versions=">=11.0,<11.8"))
+    reasons, _ = _verdict(kb, cuda="11.5", driver="440")
+    assert reasons == (f"driver branch 440 is below CUDA 11.5's minimum driver 450.80.02; "
+                       f"{NO_CUDA_START.format(cuda='11.5')} (source: RN13.2 Table 2; MVC).",)
+    assert _verdict(kb, cuda="11.5", driver="450.80.02")[0] == ()
+
+
+def test_a_python_between_dropped_ones_is_covered_by_release_order():
+    # a row dropping 3.8 and 3.10: 3.9 is older than 3.10 (not, as text, newer than it)
+    def edit(d):
+        d["drops"].append({"package": "tensorrt", "python": ["3.8", "3.10"], "dropped_in": "11.0",
+                           "source": "TRT-RN"})
+    reasons, _ = _verdict(_edited(edit), tensorrt="11.4", python="3.9")
+    assert [r.split(" (")[0] for r in reasons if "Python" in r] == [
+        "TensorRT dropped Python 3.10 in 11.0 and a dropped line does not come back: TensorRT 11.4 does not support "
+        "Python 3.9, older still"]
+
+
+def test_the_arch_of_an_arch_specific_target_is_its_base_gpu():
+    # sm_90a is an H100 like sm_90: the first CUDA for the GPU is 11.8 (520.61.05), not 12.0 (sm_90a's own row)
+    kb = _edited(lambda d: next(r for r in d["cuda"]["container_requirement"]["rows"] if r["cuda"] == "12.8")
+                 .update(clauses=[{"brands": ["tesla"], "branches": [520, 470]}]))
+    assert compat.driver_path("12.8", "520", "datacenter", kb, sm="90a").path == "forward"
+    assert compat.driver_path("12.8", "520", "datacenter", kb, sm="90").path == "forward"
+    # a branch equal to the arch's first branch is not older than it
+    kb100 = _edited(lambda d: d["cuda"]["container_requirement"]["rows"].append(
+        {"cuda": "12.9", "clauses": [{"brands": ["tesla"], "branches": [570]}], "source": "NVCUDA-IMG"}))
+    assert compat.driver_path("12.9", "570", "datacenter", kb100, sm="100").path == "forward"
+    # an arch the KB does not know is not held to a first driver
+    assert compat.driver_path("12.8", "535", "datacenter", sm="99").path == "forward"
+
+
+def test_driver_paths_refused_for_jetson_and_for_a_gpu_the_branch_predates():
+    from builder.compat import DriverPath
+
+    src = "(source: FWD; NVCUDA-IMG)"
+    assert compat.driver_path("12.8", "535", "embedded") == DriverPath(
+        "none", "570.26", "on Jetson, forward compatibility follows JetPack's own support table (cuda-compat for "
+        "L4T), which this knowledge base does not hold, and mopt's images are built for x86_64 hosts; it is not "
+        f"assumed {src}", src)
+    assert compat.driver_path("12.8", "535.104.05", "datacenter", sm="100") == DriverPath(
+        "none", "570.26", "driver 535.104.05 predates sm_100: CUDA 12.8, the first to support it, needs driver >= "
+        "570.26 (source: CMAKE; RN13.2 Table 3), and forward compatibility replaces only the user-mode driver, not "
+        f"the kernel driver that must know the GPU {src}", src)
+
+
+def test_vllm_without_cuda_passes_the_gpu_and_its_arch_to_the_driver_check():
+    v = check(Combo(vllm="0.10.0", driver="535", gpu_brand="datacenter"))
+    assert v.compatible and v.resolved["driver_path"] == "forward"
+    v = check(Combo(vllm="0.10.0", driver="535", gpu_brand="datacenter", sm="100"))
+    assert not v.compatible and "predates sm_100" in v.reasons[0]
+
+
+def test_an_update_of_a_toolkit_without_update_rows_warns():
+    assert _verdict(cuda="11.8.1")[1] == ("CUDA 11.8.1: the knowledge base knows CUDA 11.8 up to update 0 (11.8.0); "
+                                          "its minimum driver 520.61.05 is assumed (source: RN13.2 Table 3).",)
+
+
+def test_input_errors_quote_the_value_whole():
+    with pytest.raises(ConfigError) as exc:
+        check(Combo(python="3.x"))
+    assert exc.value.message == "not a Python version: '3.x'; write e.g. 3.12 or 3.12.4"
+    with pytest.raises(ConfigError) as exc:
+        check(Combo(torch="2.9.0+rocm6"))
+    assert exc.value.message == ("torch '2.9.0+rocm6': its local version +rocm6 is not a build tag mopt knows (+cpu "
+                                 "or +cuXYZ, e.g. 2.9.0+cu128)")
+    assert check(Combo(torch="2.13.0+cpu")).compatible
+
+
+def test_a_schema_error_quoting_a_whole_file_is_clipped(tmp_path):
+    bad = tmp_path / "kb.yaml"
+    bad.write_text("- " + "x" * 5000 + "\n")
+    with pytest.raises(ConfigError) as exc:
+        compat.load_knowledge_base(bad)
+    assert exc.value.message.endswith("...") and len(exc.value.message) < 300 + len(str(bad)) + 60
+
+
+@pytest.mark.parametrize("axis", ["tensorrt", "tensorrt_llm", "vllm", "torch"])
+def test_an_empty_package_version_is_refused(axis):
+    with pytest.raises(ConfigError, match="^empty version$"):
+        check(Combo(**{axis: ""}))

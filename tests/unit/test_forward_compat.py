@@ -56,8 +56,8 @@ def test_forward_compatibility_does_not_serve_a_gpu_the_driver_predates(sm, driv
     assert not verdict.compatible and verdict.notes == () and verdict.resolved["driver_path"] == "none"
     assert verdict.reasons[0].endswith(
         f" Driver branch {driver} predates sm_{sm}: CUDA {first[0]}, the first to support it, needs driver >= "
-        f"{first[1]}, and forward compatibility replaces only the user-mode driver, not the kernel driver that must "
-        "know the GPU (source: FWD; NVCUDA-IMG).")
+        f"{first[1]} (source: CMAKE; RN13.2 Table 3), and forward compatibility replaces only the user-mode driver, "
+        "not the kernel driver that must know the GPU (source: FWD; NVCUDA-IMG).")
     # the same branch serves a GPU it knows
     assert check(Combo(cuda=cuda, sm="80", driver=driver, gpu_brand="datacenter")).compatible
     # an arch of the oldest toolkit's baseline has no known first driver: not held against the branch
@@ -148,7 +148,8 @@ def test_resolve_gpu_brand():
     assert resolve_gpu_brand("unknown", (h100,))[0] is None
     # a given brand that a GPU's known product line contradicts is refused, naming how it is known
     with pytest.raises(ConfigError, match=r"^--gpu-brand consumer contradicts NVIDIA H100 80GB HBM3, a datacenter GPU "
-                                          r"by the knowledge base's GPU table \(sm.gpus\); leave"):
+                                          r"by the knowledge base's GPU table \(sm.gpus\); leave --gpu-brand at auto, "
+                                          r"or name the GPU you mean$"):
         resolve_gpu_brand("consumer", (h100,))
     with pytest.raises(ConfigError, match=r"contradicts NVIDIA Foo, a consumer GPU by NVML brand geforce;"):
         resolve_gpu_brand("datacenter", (Gpu(0, "NVIDIA Foo", "9.0", "geforce"),))
@@ -190,7 +191,7 @@ def test_plan_markdown_names_the_forward_branches_for_datacenter_gpus():
     args = ("plan", "--select", "qwen3-embed:cu128-sm90", "--format", "markdown")
     with_fwd = run_mopt(*args, "--gpu-brand", "datacenter")
     assert with_fwd.returncode == 0, with_fwd.stderr
-    assert "| 570.26 (R470/R535/R550/R560/R565 via cuda-compat-12-8) |" in with_fwd.stdout
+    assert "| 570.26 (R535/R550/R560/R565 via cuda-compat-12-8) |" in with_fwd.stdout
     plain = run_mopt(*args, "--gpu-brand", "unknown")
     assert "| 570.26 |" in plain.stdout and "cuda-compat" not in plain.stdout
 
@@ -199,7 +200,7 @@ def test_plan_is_the_same_on_every_machine_unless_asked_to_detect(tmp_path):
     env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, 9.0, 535.104.05")
     args = ("plan", "--select", "qwen3-embed:cu128-sm90", "--format", "markdown")
     assert "| 570.26 |" in run_mopt(*args, env=env).stdout
-    assert "| 570.26 (R470/R535/R550/R560/R565 via cuda-compat-12-8) |" in run_mopt(*args, "--gpu-brand", "auto",
+    assert "| 570.26 (R535/R550/R560/R565 via cuda-compat-12-8) |" in run_mopt(*args, "--gpu-brand", "auto",
                                                                                      env=env).stdout
 
 
@@ -244,36 +245,50 @@ def test_doctor_detects_the_product_line_and_lists_the_cuda_paths(tmp_path):
 
 def test_fields_nvidia_smi_cannot_read_are_reported_not_fatal(tmp_path):
     # nvidia-smi prints [N/A] for what it cannot read: doctor reports the rest, pick says what to pass
-    env = _fake_nvidia_smi(tmp_path, "[N/A], NVIDIA H100 80GB HBM3, [N/A], [N/A]")
+    env = _fake_nvidia_smi(tmp_path, "[N/A], NVIDIA Foo, [N/A], [N/A]")
     result = run_mopt("doctor", "--format", "json", env=env)
     assert "Traceback" not in result.stderr
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
     assert (checks["nvidia-driver"]["status"], checks["nvidia-driver"]["detail"]) == (
         "warn", "the driver reported no readable version ('[N/A]', via nvidia-smi)")
     assert (checks["gpu0"]["status"], checks["gpu0"]["detail"]) == (
-        "warn", "NVIDIA H100 80GB HBM3: compute capability not reported (None); no tag can be matched to it")
+        "warn", "NVIDIA Foo: compute capability not reported, and the name is not in the GPU table; no tag can be "
+                "matched to it")
     assert checks["cuda-versions"]["status"] == "warn" and {"docker", "shm", "disk"} <= set(checks)
     refused = run_mopt("pick", "qwen3-embed", env=env)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert ("this host's driver reports version '[N/A]', which is not a driver version; pass --driver "
             "(e.g. --driver 535.104.05)") in refused.stderr
-    # with --driver given, the GPU without a compute capability leaves the cpu tag, and says why
-    result = run_mopt("pick", "qwen3-embed", "--driver", "535.104.05", "--format", "json", env=env)
-    assert json.loads(result.stdout)["rejected"] == [
-        "no GPU of this host reported its compute capability (pass --sm, e.g. --sm 90)",
-        "no GPU tag fits this host: using the cpu variant"]
+    # with --driver given, a GPU of unknown arch is not answered with the cpu tag: pick asks for --sm
+    refused = run_mopt("pick", "qwen3-embed", "--driver", "535.104.05", env=env)
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert ("no GPU of this host has a known arch (GPU 0 (NVIDIA Foo, compute capability unknown)): its compute "
+            "capability was not reported and its name is not in the GPU table; pass --sm (e.g. --sm 90)"
+            ) in refused.stderr
     assert run_mopt("pick", "qwen3-embed", "--sm", "90", env=env).returncode == 2  # the driver still unreadable
     ok = run_mopt("pick", "qwen3-embed", "--sm", "90", "--driver", "535.104.05", "--gpu-brand", "datacenter", env=env)
     assert ok.stdout.strip() == "mopt/qwen3-embed:cu128-sm90"
+    # a GPU the table knows by name: its arch comes from there when the compute capability is not reported
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, [N/A], 535.104.05")
+    gpu0 = next(c for c in json.loads(run_mopt("doctor", "--format", "json", env=env).stdout)["checks"]
+                if c["name"] == "gpu0")
+    assert (gpu0["status"], gpu0["detail"]) == ("ok", "NVIDIA H100 80GB HBM3, compute capability not reported, 9.0 "
+                                                      "by the GPU table (sm_90), product line datacenter")
+    assert run_mopt("pick", "qwen3-embed", env=env).stdout.strip() == "mopt/qwen3-embed:cu128-sm90"
+    # a name with a comma in it: the fields around it are still found
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100, Rev 2, 9.0, 535.104.05")
+    out = json.loads(run_mopt("doctor", "--format", "json", env=env).stdout)
+    assert out["gpus"][0]["name"] == "NVIDIA H100, Rev 2" and out["gpus"][0]["sm"] == "90"
 
 
 def test_pick_with_sm_or_gpu_keeps_the_hosts_driver(tmp_path):
     env = _fake_nvidia_smi(tmp_path, "0, NVIDIA H100 80GB HBM3, 9.0, 535.104.05")
     # CUDA 13.0 needs 580.65.06: the host's R535 still rules out cu130 when only the GPU is pretended
-    assert run_mopt("pick", "qwen3-embed", "--sm", "90", "--gpu-brand", "consumer",
-                    env=env).stdout.strip() == "mopt/qwen3-embed:cu121-sm90"
     assert run_mopt("pick", "qwen3-embed", "--gpu", "RTX 4090", env=env).stdout.strip() == \
         "mopt/qwen3-embed:cu121-sm89"
+    assert run_mopt("pick", "qwen3-embed", "--sm", "89", env=env).stdout.strip() == "mopt/qwen3-embed:cu121-sm89"
+    # --sm of the host's own GPU keeps that GPU (its product line: forward compatibility)
+    assert run_mopt("pick", "qwen3-embed", "--sm", "90", env=env).stdout.strip() == "mopt/qwen3-embed:cu128-sm90"
     assert run_mopt("pick", "qwen3-embed", "--gpu", "H100", "--driver", "580.65.06",
                     env=env).stdout.strip() == "mopt/qwen3-embed:cu130-sm90"
     for flag in ("--gpu", "--sm", "--driver"):
@@ -286,6 +301,11 @@ def test_pick_with_sm_or_gpu_keeps_the_hosts_driver(tmp_path):
     # a GPU whose product line the table knows contradicts a given brand: refused, not served by 804
     refused = run_mopt("pick", "qwen3-embed", "--gpu", "RTX 4090", "--driver", "535", "--gpu-brand", "datacenter")
     assert refused.returncode == 2 and "--gpu-brand datacenter contradicts RTX 4090, a consumer GPU" in refused.stderr
+    # an arch that is no GPU's, and a GPU named with another arch than --sm: bad input
+    bad = run_mopt("pick", "qwen3-embed", "--sm", "999", env=env)
+    assert bad.returncode == 2 and "--sm '999': not a GPU architecture (compute capability 99.9)" in bad.stderr
+    bad = run_mopt("pick", "qwen3-embed", "--gpu", "RTX 4090", "--sm", "90", env=env)
+    assert bad.returncode == 2 and "--gpu 'RTX 4090' is sm_89, not sm_90: give one of them" in bad.stderr
 
 
 def test_pick_on_a_host_of_mixed_archs_picks_for_the_first_and_says_so(tmp_path):
@@ -313,7 +333,8 @@ def test_images_carry_the_compat_package_and_say_so(tmp_path):
     final = (cuda / "Dockerfile.final").read_text()
     assert "ENV MOPT_CUDA_COMPAT_DIR=/usr/local/cuda-12.8/compat \\\n    MOPT_CUDA_MIN_DRIVER=570.26\n" in final
     assert 'io.mopt.cuda.forward-compat="cuda-compat-12-8"' in final
-    assert 'io.mopt.cuda.forward-compat.branches="470,535,550,560,565"' in final
+    # the branches that know an sm_90 GPU: R470 predates it
+    assert 'io.mopt.cuda.forward-compat.branches="535,550,560,565"' in final
     cpu = out / "minilm-embed" / "cpu"
     assert "cuda-compat" not in (cpu / "Dockerfile.base").read_text()
     cpu_final = (cpu / "Dockerfile.final").read_text()
@@ -461,3 +482,127 @@ def test_make_plan_checks_every_variant_for_the_gpu_brand_given():
     (given,) = make_plan(matrix, ("qwen3-embed:cu128-sm90",), "datacenter").variants
     (plain,) = make_plan(matrix, ("qwen3-embed:cu128-sm90",)).variants
     assert (given.resolved["gpu_brand"], plain.resolved["gpu_brand"]) == ("datacenter", None)
+
+
+# ------------------------------------------------------------------------------ the host as pick sees it, in process
+
+def test_gpu_arch_and_description():
+    assert Gpu(0, "NVIDIA H100", "9.0").sm == "90"
+    assert Gpu(3, "NVIDIA H100", "9.0").describe() == "GPU 3 (NVIDIA H100, sm_90)"
+    for cc in (None, "", "9.x"):  # not reported, or not one: unknown, not an error
+        assert Gpu(1, "NVIDIA Foo", cc).sm is None
+        assert Gpu(1, "NVIDIA Foo", cc).describe() == "GPU 1 (NVIDIA Foo, compute capability unknown)"
+
+
+def test_valid_driver():
+    from builder.doctor import valid_driver
+
+    assert valid_driver(" 535.104.05 ") == "535.104.05"
+    assert valid_driver("535") == "535"
+    for bad in (None, "", "[N/A]", "535.104.05.1", "1000.10.01"):
+        assert valid_driver(bad) is None
+
+
+def test_target_gpus():
+    from builder.doctor import target_gpus
+
+    h100, h200 = Gpu(0, "NVIDIA H100", "9.0"), Gpu(1, "NVIDIA H200", "9.0")
+    rtx, odd = Gpu(2, "NVIDIA GeForce RTX 4090", "8.9"), Gpu(3, "NVIDIA Foo", None)
+    assert target_gpus(()) == ((), "")
+    assert target_gpus((odd,)) == ((), "")
+    assert target_gpus((h100, h200)) == ((h100, h200), "")
+    assert target_gpus((rtx, h100, h200)) == ((rtx,), (
+        "this host's GPUs differ (GPU 2 (NVIDIA GeForce RTX 4090, sm_89); GPU 0 (NVIDIA H100, sm_90); GPU 1 (NVIDIA "
+        "H200, sm_90)): picked for sm_89, the arch of GPU 2; for the others pass --sm 90"))
+    assert target_gpus((odd, h100)) == ((h100,), "this host's GPUs differ (GPU 3 (NVIDIA Foo, compute capability "
+                                                 "unknown); GPU 0 (NVIDIA H100, sm_90)): picked for sm_90, the arch "
+                                                 "of GPU 0")
+
+
+def test_facts_override():
+    from builder.doctor import facts_override
+
+    host = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA H100 80GB HBM3", "9.0"),), docker_server="26.1",
+                     runtimes=("nvidia",))
+    assert facts_override(host, None, None, None) == host
+    # --gpu or --sm: the GPUs change, the driver and the rest stay the host's
+    assert facts_override(host, " RTX 4090 ", None, None) == HostFacts(
+        driver="535.104.05", gpus=(Gpu(0, "RTX 4090", "8.9"),), docker_server="26.1", runtimes=("nvidia",))
+    assert facts_override(host, None, "sm_89", None).gpus == (Gpu(0, "sm_89", "8.9"),)
+    assert facts_override(host, "A100", "80", None).gpus == (Gpu(0, "A100", "8.0"),)  # --gpu and --sm agree
+    with pytest.raises(ConfigError) as exc:
+        facts_override(host, "A100", "86", None)
+    assert exc.value.message == "--gpu 'A100' is sm_80, not sm_86: give one of them"
+    # --sm of a host GPU's arch keeps that GPU; --sm 90a is the H100 as well
+    assert facts_override(host, None, "90", None).gpus == host.gpus
+    with pytest.raises(ConfigError) as exc:
+        facts_override(host, None, "999", None)
+    assert exc.value.message == "--sm '999': not a GPU architecture (compute capability 99.9)"
+    # --driver: normalised, white space dropped
+    assert facts_override(host, None, None, " 580.65.06\n").driver == "580.65.06"
+    for flag, args in (("--gpu", (" ", None, None)), ("--sm", (None, "", None)), ("--driver", (None, None, "\t"))):
+        with pytest.raises(ConfigError) as exc:
+            facts_override(host, *args)
+        assert exc.value.message == f"{flag} is empty"
+    with pytest.raises(ConfigError) as exc:
+        facts_override(host, None, None, "5" * 100)
+    assert exc.value.message == f"--driver '{'5' * 59}...: expected a branch (535) or a version like 535.54.03"
+    # a host driver nobody can read: refused where a tag would be picked by it, unless --driver replaces it
+    unread = HostFacts(driver="[N/A]", gpus=host.gpus)
+    with pytest.raises(ConfigError) as exc:
+        facts_override(unread, None, "90", None)
+    assert exc.value.message == ("this host's driver reports version '[N/A]', which is not a driver version; pass "
+                                 "--driver (e.g. --driver 535.104.05)")
+    assert facts_override(unread, None, None, "535").driver == "535"
+    # no GPU: no driver to read, nothing refused
+    assert facts_override(HostFacts(driver="[N/A]"), None, None, None).driver is None
+
+
+def test_pick_and_doctor_hold_forward_compatibility_to_the_gpus_arch(plan):
+    from builder.doctor import cuda_paths_check
+
+    # a B200 on R535: no CUDA through forward compatibility (the branch predates sm_100)
+    assert cuda_paths_check("535.104.05", ("datacenter", "given"), "100").detail == (
+        "product line datacenter (given); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 natively")
+    b200 = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA B200", "10.0"),))
+    tag, why = pick(plan, "qwen3-embed", b200, gpu_brand="datacenter")
+    assert tag == "cpu" and any(line.startswith("cu128-sm100: CUDA 12.8 needs driver >= 570.26, this host has "
+                                                "535.104.05; driver 535.104.05 predates sm_100") for line in why)
+
+
+def test_pick_without_any_known_arch_says_what_to_pass(plan):
+    unknown = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA Foo", None),))
+    with pytest.raises(ConfigError) as exc:
+        pick(plan, "qwen3-embed", unknown)
+    assert exc.value.message == (
+        "no GPU of this host has a known arch (GPU 0 (NVIDIA Foo, compute capability unknown)): its compute "
+        "capability was not reported and its name is not in the GPU table; pass --sm (e.g. --sm 90)")
+    # a name the GPU table knows gives the arch
+    assert pick(plan, "qwen3-embed", HostFacts(driver="580.65.06", gpus=(Gpu(0, "NVIDIA H100", None),)))[0] == \
+        "cu130-sm90"
+
+
+def test_compat_on_a_gpu_host_asks_about_its_gpu(tmp_path):
+    # auto: the host's product line, and for a driver its arch too (a B200 on R535 has no forward path)
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA B200, 10.0, 535.104.05")
+    out = json.loads(run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--format", "json", env=env).stdout)
+    assert not out["compatible"] and out["resolved"]["sm"] == "100" and out["resolved"]["gpu_brand"] == "datacenter"
+    assert out["notes"] == ["GPU arch sm_100 is this host's (GPU 0 (NVIDIA B200, sm_100)): forward compatibility "
+                            "depends on it; pass --sm (or --gpu-brand) to ask about another GPU."]
+    assert "predates sm_100" in out["reasons"][0]
+    # --sm given: the host GPU of that arch gives the product line; without a driver, no arch is added
+    assert json.loads(run_mopt("compat", "--cuda", "12.8", "--sm", "90", "--driver", "535", "--format", "json",
+                               env=env).stdout)["resolved"]["gpu_brand"] is None
+    no_driver = run_mopt("compat", "--cuda", "12.8", "--format", "json", env=env)
+    assert json.loads(no_driver.stdout)["resolved"]["sm"] is None
+    # a mixed host: --sm picks the GPU whose line counts
+    env = _fake_nvidia_smi(tmp_path, "0, NVIDIA GeForce RTX 4090, 8.9, 535.104.05\n"
+                                     "1, NVIDIA H100 80GB HBM3, 9.0, 535.104.05")
+    out = json.loads(run_mopt("compat", "--cuda", "12.8", "--sm", "90", "--driver", "535", "--format", "json",
+                              env=env).stdout)
+    assert out["compatible"] and out["resolved"]["gpu_brand"] == "datacenter" and out["notes"][0].startswith(
+        "driver branch 535 is below CUDA 12.8's minimum driver 570.26, but a data-center GPU runs")
+    # a given brand is a question about another GPU: no host arch, no contradiction check
+    out = json.loads(run_mopt("compat", "--cuda", "12.8", "--driver", "535", "--gpu-brand", "datacenter", "--format",
+                              "json", env=env).stdout)
+    assert out["compatible"] and out["resolved"]["sm"] is None

@@ -272,6 +272,21 @@ def test_write_without_findings_changes_nothing(index, tmp_path):
     assert kbcheck.write_rows(bare, kb).written == () and kb.read_bytes() == before
 
 
+def test_write_of_rows_that_would_not_load_names_the_kb_and_writes_nothing(index, tmp_path):
+    kb = make_kb(tmp_path / "kb.yaml")
+    report = kbcheck.check(kb, index.url)
+    bad = kbcheck.ProposedRow(("vllm", "torch_pins"), (("vllm", "0.99.0"), ("torch", "2.x.*"), ("source", "X")))
+    finding = kbcheck.Finding("missing", "vllm", "0.99.0", "vllm.torch_pins", "made up", bad, writable=True)
+    broken = kbcheck.Report(report.index_url, report.knowledge_base, report.requests, (finding,), report.limits)
+    before = kb.read_bytes()
+    with pytest.raises(ConfigError) as exc:
+        kbcheck.write_rows(broken, kb)
+    assert exc.value.message.startswith(f"{kb}: the proposed rows would not load (")
+    assert exc.value.message.endswith("); nothing was written") and ".yaml" not in exc.value.message.replace(
+        str(kb), "")
+    assert kb.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["kb.yaml"]
+
+
 def test_cli_json_shape(index, tmp_path):
     result = run_mopt("kb", "check", "--kb", str(make_kb(tmp_path / "kb.yaml")), "--index-url", index.url,
                       "--format", "json")
@@ -365,10 +380,23 @@ def test_an_http_error_and_a_redirect_elsewhere_are_refused(index, tmp_path):
         kbcheck.check(kb, index.url)
 
 
-@pytest.mark.parametrize("url", ["file:///etc/passwd", "http://[::1", "http://", "ftp://x"])
-def test_a_bad_index_url_is_bad_input(url):
+@pytest.mark.parametrize("url,problem", [
+    ("file:///etc/passwd", "expected http(s)://"), ("http://[::1", "expected http(s)://"),
+    ("http://", "expected http(s)://"), ("ftp://x", "expected http(s)://"),
+    ("https://exa mple.com", "expected http(s)://"), ("http://a:99999/", "expected http(s)://"),
+    ("http://a:abc/", "expected http(s)://"), ("http://a..b/pypi", "the host name is not one"),
+    ("http://" + "a" * 64 + ".example/pypi", "the host name is not one"),
+    ("http://user:pw@127.0.0.1:1/", "carries credentials"),
+])
+def test_a_bad_index_url_is_bad_input(url, problem):
     result = run_mopt("kb", "check", "--index-url", url)
-    assert result.returncode == 2 and "expected http(s)://" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and problem in result.stderr and "Traceback" not in result.stderr
+    assert "pw@" not in result.stderr  # credentials are never echoed
+
+
+def test_an_empty_index_url_is_refused_not_replaced_by_the_default():
+    result = run_mopt("kb", "check", "--index-url", "")
+    assert (result.returncode, result.stderr.strip()) == (2, "mopt: error: --index-url is empty")
 
 
 def test_wildcard_and_arbitrary_pins_are_read_or_left_not_fatal():
@@ -386,6 +414,12 @@ def test_wildcard_and_arbitrary_pins_are_read_or_left_not_fatal():
     assert kbcheck.cuda_majors(meta("cuda-toolkit==13.*")) == {13}
     assert kbcheck.default_cuda(meta("cuda-toolkit===foo")) is None
     assert kbcheck.cuda_majors(meta("cuda-toolkit===foo")) == set()
+    # an epoch, a local part or leading zeros name no CUDA release
+    for pin in ("1!12.8", "12.8.0+local", "12.08.0"):
+        assert kbcheck.default_cuda(meta(f"cuda-toolkit=={pin}")) is None
+    assert kbcheck.default_cuda(meta("cuda-toolkit>=12.8")) is None
+    # a wildcard pin in KB range notation is the prefix
+    assert kbcheck.kb_range(Requirement("tensorrt==10.*")) == "10"
 
 
 def test_requirement_specifiers_in_kb_notation():
