@@ -140,7 +140,7 @@ def valid_driver(driver: str | None) -> str | None:
     from .versions import normalize_driver
 
     try:
-        return normalize_driver(driver) if driver else None
+        return normalize_driver(driver)  # None and "" are not one either
     except ConfigError:
         return None
 

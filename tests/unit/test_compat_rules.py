@@ -925,6 +925,18 @@ def test_a_torch_local_version_names_its_cuda():
         check(Combo(torch="2.9.0+garbage"))
 
 
+def test_torch_without_cuda_holds_a_driver_to_its_default_cuda():
+    v = check(Combo(torch="2.9.0", driver="535", gpu_brand="consumer"))
+    assert v.notes == ("no CUDA version given: the driver is checked against CUDA 12.8, the CUDA of torch 2.9.0's "
+                       "PyPI default build.",)
+    assert v.reasons[0].startswith("driver branch 535 is below CUDA 12.8's minimum driver 570.26")
+    assert check(Combo(torch="2.9.0", driver="570.26")).compatible
+    # nothing that names a CUDA: the driver is left unchecked, and said so
+    v = check(Combo(python="3.12", driver="535"))
+    assert v.compatible and v.warnings == ("driver branch 535 given without a CUDA version; nothing to check it "
+                                           "against.",) and v.notes == ()
+
+
 def test_vllm_without_cuda_holds_a_driver_to_its_wheels_cuda():
     v = check(Combo(vllm="0.10.0", driver="470", gpu_brand="consumer"))
     assert v.notes == ("no CUDA version given: the driver is checked against CUDA 12.8, the CUDA of vLLM 0.10.0's "
@@ -1111,6 +1123,8 @@ def test_the_arch_of_an_arch_specific_target_is_its_base_gpu():
     kb100 = _edited(lambda d: d["cuda"]["container_requirement"]["rows"].append(
         {"cuda": "12.9", "clauses": [{"brands": ["tesla"], "branches": [570]}], "source": "NVCUDA-IMG"}))
     assert compat.driver_path("12.9", "570", "datacenter", kb100, sm="100").path == "forward"
+    assert compat.forward_compat("12.9", kb100, sm="100")["branches"] == [570]
+    assert compat.forward_compat("12.9", kb100)["branches"] == [570]
     # an arch the KB does not know is not held to a first driver
     assert compat.driver_path("12.8", "535", "datacenter", sm="99").path == "forward"
 

@@ -520,14 +520,17 @@ def test_target_gpus():
 
 
 def test_facts_override():
-    from builder.doctor import facts_override
+    from builder.doctor import Check, facts_override
 
     host = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA H100 80GB HBM3", "9.0"),), docker_server="26.1",
-                     runtimes=("nvidia",))
+                     runtimes=("nvidia",), checks=(Check("docker", "ok", "daemon 26.1"),))
     assert facts_override(host, None, None, None) == host
     # --gpu or --sm: the GPUs change, the driver and the rest stay the host's
     assert facts_override(host, " RTX 4090 ", None, None) == HostFacts(
-        driver="535.104.05", gpus=(Gpu(0, "RTX 4090", "8.9"),), docker_server="26.1", runtimes=("nvidia",))
+        driver="535.104.05", gpus=(Gpu(0, "RTX 4090", "8.9"),), docker_server="26.1", runtimes=("nvidia",),
+        checks=host.checks)
+    # an arch-specific target is its GPU's arch: --gpu H100 --sm 90a agree
+    assert facts_override(host, "H100", "90a", None).gpus == (Gpu(0, "H100", "9.0"),)
     assert facts_override(host, None, "sm_89", None).gpus == (Gpu(0, "sm_89", "8.9"),)
     assert facts_override(host, "A100", "80", None).gpus == (Gpu(0, "A100", "8.0"),)  # --gpu and --sm agree
     with pytest.raises(ConfigError) as exc:
@@ -571,12 +574,13 @@ def test_pick_and_doctor_hold_forward_compatibility_to_the_gpus_arch(plan):
 
 
 def test_pick_without_any_known_arch_says_what_to_pass(plan):
-    unknown = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA Foo", None),))
+    unknown = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA Foo", None), Gpu(1, "NVIDIA Bar", None)))
     with pytest.raises(ConfigError) as exc:
         pick(plan, "qwen3-embed", unknown)
     assert exc.value.message == (
-        "no GPU of this host has a known arch (GPU 0 (NVIDIA Foo, compute capability unknown)): its compute "
-        "capability was not reported and its name is not in the GPU table; pass --sm (e.g. --sm 90)")
+        "no GPU of this host has a known arch (GPU 0 (NVIDIA Foo, compute capability unknown); GPU 1 (NVIDIA Bar, "
+        "compute capability unknown)): its compute capability was not reported and its name is not in the GPU "
+        "table; pass --sm (e.g. --sm 90)")
     # a name the GPU table knows gives the arch
     assert pick(plan, "qwen3-embed", HostFacts(driver="580.65.06", gpus=(Gpu(0, "NVIDIA H100", None),)))[0] == \
         "cu130-sm90"
