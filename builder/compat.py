@@ -684,7 +684,6 @@ def _check_cuda_driver(ctx: _Ctx, cuda: str, driver: str | None, gpu_brand: str 
     limit, limit_row = _driver_limit(floor, tk, before, mvc)
     if limit is None:
         return
-
     req = kb.data["cuda"]["container_requirement"]
     error = " ".join(req["error_template"].format(cuda=major_minor(cuda)).split())
     src = kb.source_text(limit_row)

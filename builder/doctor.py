@@ -15,7 +15,7 @@ from pathlib import Path
 from . import compat
 from .errors import ConfigError, IncompatibleError, quoted
 from .plan import Plan
-from .versions import cc_to_sm, parse_version, sm_major_minor, sm_to_cc
+from .versions import cc_to_sm, normalize_driver, normalize_sm, parse_version, sm_major_minor, sm_to_cc
 
 MIN_SHM_MIB = 1024
 MIN_FREE_GIB = 20
@@ -137,8 +137,6 @@ _CC = re.compile(r"\d{1,2}\.\d", re.ASCII)
 
 def valid_driver(driver: str | None) -> str | None:
     """The driver version if the knowledge base can read it (a branch or up to three parts), else None."""
-    from .versions import normalize_driver
-
     try:
         return normalize_driver(driver)  # None and "" are not one either
     except ConfigError:
@@ -147,8 +145,6 @@ def valid_driver(driver: str | None) -> str | None:
 
 def gpus_of_arch(gpus: tuple[Gpu, ...], sm: str | None) -> tuple[Gpu, ...]:
     """The host's GPUs a question is about: those of arch `sm` when it is given, else target_gpus'."""
-    from .versions import normalize_sm
-
     if sm is None:
         return target_gpus(gpus)[0]
     want = normalize_sm(sm)
@@ -347,8 +343,6 @@ def facts_override(facts: HostFacts, gpu: str | None, sm: str | None, driver: st
     """Let a deployer ask for another host than this one (`mopt pick --sm 86 --driver 535.54.03`): --gpu and
     --sm replace the GPUs, --driver the driver; what is not given stays this host's. A host driver that
     cannot be read is refused here, where a tag would be picked by it."""
-    from .versions import normalize_sm
-
     gpus = facts.gpus
     for flag, value in (("--gpu", gpu), ("--sm", sm), ("--driver", driver)):
         if value is not None and not value.strip():
@@ -365,12 +359,14 @@ def facts_override(facts: HostFacts, gpu: str | None, sm: str | None, driver: st
         # a GPU of this host with that arch keeps its name and product line; another arch is another GPU
         gpus = gpus if gpu is not None else (gpus_of_arch(facts.gpus, want) or (pretend,))
     if driver is not None:
-        if valid_driver(driver) is None:
+        chosen = valid_driver(driver)
+        if chosen is None:
             raise ConfigError(f"--driver {quoted(driver)}: expected a branch (535) or a version like 535.54.03")
-        driver = valid_driver(driver)
-    elif facts.driver and facts.gpus and valid_driver(facts.driver) is None:
-        raise ConfigError(f"this host's driver reports version {quoted(facts.driver)}, which is not a driver "
-                          "version; pass --driver (e.g. --driver 535.104.05)")
-    return HostFacts(driver=driver or valid_driver(facts.driver), gpus=gpus, docker_server=facts.docker_server,
+    else:
+        chosen = valid_driver(facts.driver)
+        if facts.driver and facts.gpus and chosen is None:
+            raise ConfigError(f"this host's driver reports version {quoted(facts.driver)}, which is not a driver "
+                              "version; pass --driver (e.g. --driver 535.104.05)")
+    return HostFacts(driver=chosen, gpus=gpus, docker_server=facts.docker_server,
                      runtimes=facts.runtimes, checks=facts.checks)
 

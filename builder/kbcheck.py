@@ -301,6 +301,12 @@ def _pinned_release(req: Requirement | None) -> str | None:
     return version if _PLAIN_RELEASE.fullmatch(version) else None
 
 
+def _pinned_minor(req: Requirement | None) -> str | None:
+    """The CUDA major.minor a pin fixes ("12.8" from ==12.8.90 or ==12.8.*); None for a major alone."""
+    pinned = _pinned_release(req)
+    return major_minor(pinned) if pinned and len(release(pinned)) >= 2 else None
+
+
 def kb_range(req: Requirement) -> str:
     """A requirement's specifier in the KB's range notation: ==X -> X, ~=X.Y.Z -> ~X.Y.Z (same meaning),
     ~=X.Y -> >=X.Y,<X+1; other comparisons as they are, ANDed with ','."""
@@ -342,22 +348,23 @@ def cuda_majors(meta: Metadata) -> set[int]:
         if match:
             out.add(int(match.group(1)))
         out |= {int(m.group(1)) for m in (_CU_EXTRA.match(e) for e in req.extras) if m}
-        if name == "cuda-toolkit" and _pinned_release(req):
-            out.add(release(_pinned_release(req))[0])
+        pinned = _pinned_release(req) if name == "cuda-toolkit" else None
+        if pinned:
+            out.add(release(pinned)[0])
     return out
 
 
 def default_cuda(meta: Metadata) -> tuple[str, str | None] | None:
     """torch's default CUDA from its requirements: cuda-toolkit==13.2.2 -> ("13.2", "13.2.2");
     nvidia-cuda-runtime-cu12==12.8.90 -> ("12.8", None) (a library version, not the toolkit's)."""
-    req = _requirement(meta, "cuda-toolkit")
-    toolkit = _pinned_release(req)
-    if toolkit and len(release(toolkit)) >= 2:
-        return major_minor(toolkit), _exact_pin(req)  # a wildcard pin names no toolkit release
+    toolkit_req = _requirement(meta, "cuda-toolkit")
+    toolkit = _pinned_minor(toolkit_req)
+    if toolkit:
+        return toolkit, _exact_pin(toolkit_req)  # a wildcard pin names no toolkit release
     for req in meta.requires:
-        pinned = _pinned_release(req)
-        if canonicalize_name(req.name).startswith("nvidia-cuda-runtime") and pinned and len(release(pinned)) >= 2:
-            return major_minor(pinned), None
+        runtime = _pinned_minor(req) if canonicalize_name(req.name).startswith("nvidia-cuda-runtime") else None
+        if runtime:
+            return runtime, None
     return None
 
 

@@ -260,7 +260,6 @@ def normalize_cuda(value: object) -> str:
     return text
 
 
-
 _DRIVER_RE = re.compile(r"\d{3}(\.\d{1,3}){0,2}", re.ASCII)
 
 

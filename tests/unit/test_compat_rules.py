@@ -925,24 +925,21 @@ def test_a_torch_local_version_names_its_cuda():
         check(Combo(torch="2.9.0+garbage"))
 
 
-def test_torch_without_cuda_holds_a_driver_to_its_default_cuda():
-    v = check(Combo(torch="2.9.0", driver="535", gpu_brand="consumer"))
-    assert v.notes == ("no CUDA version given: the driver is checked against CUDA 12.8, the CUDA of torch 2.9.0's "
-                       "PyPI default build.",)
-    assert v.reasons[0].startswith("driver branch 535 is below CUDA 12.8's minimum driver 570.26")
-    assert check(Combo(torch="2.9.0", driver="570.26")).compatible
-    # nothing that names a CUDA: the driver is left unchecked, and said so
+@pytest.mark.parametrize("package,low,enough,whose", [
+    (dict(torch="2.9.0"), "535", "570.26", "torch 2.9.0's PyPI default build"),
+    (dict(vllm="0.10.0"), "470", "570.124.06", "vLLM 0.10.0's PyPI wheels"),  # its wheels' CUDA, not its torch's
+])
+def test_a_package_without_cuda_holds_a_driver_to_its_pypi_cuda(package, low, enough, whose):
+    v = check(Combo(**package, driver=low, gpu_brand="consumer"))
+    assert v.notes == (f"no CUDA version given: the driver is checked against CUDA 12.8, the CUDA of {whose}.",)
+    assert v.reasons[0].startswith(f"driver branch {low} is below CUDA 12.8's minimum driver 570.26")
+    assert check(Combo(**package, driver=enough)).compatible
+
+
+def test_a_driver_with_nothing_that_names_a_cuda_is_left_unchecked_and_said_so():
     v = check(Combo(python="3.12", driver="535"))
     assert v.compatible and v.warnings == ("driver branch 535 given without a CUDA version; nothing to check it "
                                            "against.",) and v.notes == ()
-
-
-def test_vllm_without_cuda_holds_a_driver_to_its_wheels_cuda():
-    v = check(Combo(vllm="0.10.0", driver="470", gpu_brand="consumer"))
-    assert v.notes == ("no CUDA version given: the driver is checked against CUDA 12.8, the CUDA of vLLM 0.10.0's "
-                       "PyPI wheels.",)
-    assert v.reasons[0].startswith("driver branch 470 is below CUDA 12.8's minimum driver 570.26")
-    assert check(Combo(vllm="0.10.0", driver="570.124.06")).compatible
 
 
 def test_an_sm_drop_the_package_rows_already_judge_is_reported_once():
