@@ -1,8 +1,9 @@
 """What the host side knows about each engine backend, declared once per backend as data
-(builder/data/backends/<name>.yaml, validated by schemas/backend.schema.json): the matrix axis that is
-its version, the template of its runtime image, the packages that image adds, whether it serves
-itself, and which option groups its compile step takes. The backends' code is the in-image runtime's
-(builder/runtime/backends/), which the host never imports.
+(builder/runtime/backends/<name>.yaml, validated by schemas/backend.schema.json): the matrix axis that
+is its version, the template of its runtime image, the packages that image adds, whether it serves
+itself, and which option groups its compile step takes. The same file's `runtime:` section is what the
+in-image runtime reads (builder/runtime/backends/registry.py): one description per backend, shipped
+with the runtime. The host reads the files; it never imports the backends' code.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class BackendSpec:
 
 
 def backends_dir() -> Path:
-    return Path(str(resources.files("builder").joinpath("data", "backends")))
+    return Path(str(resources.files("builder").joinpath("runtime", "backends")))
 
 
 def load_backend(path: Path) -> BackendSpec:

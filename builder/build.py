@@ -23,12 +23,12 @@ from . import hubs
 from .buildcache import CACHED_STAGES, RegistryCache
 from .dockerclient import DOCKER_ROOT, DockerCli, docker_free_gib, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
-from .hashing import sha256_text, tree_digest
+from .hashing import sha256_text
 from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
 from .models import HUB_KINDS, LocalModel, ModelChoice, choose, image_tags, materialise, model_labels
 from .plan import Variant
-from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, render_variant
+from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, render_variant, runtime_digest
 from .state import ModelRecord, StageRecord, StateDir, VariantRecord
 
 Log = Callable[[str], None]
@@ -129,7 +129,7 @@ class Builder:
         self.matrix, self.all_variants, self.options, self.log = matrix, all_variants, options, log
         self.docker = docker or find_docker()
         self.state = options.state.create()
-        self.runtime_digest = tree_digest(RUNTIME_PACKAGE, "**/*.py")
+        self.runtime_digest = runtime_digest()
         self.wheelhouse = self._wheelhouse_files()
 
     # -- docker helpers -------------------------------------------------------------------

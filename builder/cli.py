@@ -73,6 +73,24 @@ def _plan(matrix_path: str, select: tuple[str, ...], gpu_brand: str | None = Non
     return matrix, make_plan(matrix, tuple(select), gpu_brand)
 
 
+def _registry_value(_ctx, param, value: str | None) -> str | None:
+    """--registry / --cache-registry checked when parsed (exit 2 before anything is built)."""
+    from .registry.reference import Registry
+
+    if value is None:
+        return None
+    try:
+        Registry.parse(value)
+    except ConfigError as exc:
+        raise click.BadParameter(exc.message.removeprefix("registry: "), param_hint=f"'{param.opts[0]}'") from None
+    return value
+
+
+def registry_option(required: bool, help_text: str | None = None):
+    return click.option("--registry", required=required, metavar="HOST[:PORT][/NAMESPACE]", callback=_registry_value,
+                        help=help_text)
+
+
 matrix_option = click.option("--matrix", "matrix_path", default=DEFAULT_MATRIX, envvar="MOPT_MATRIX",
                              show_default=True, show_envvar=True, help="The matrix file.")
 select_option = click.option("--select", multiple=True, metavar="GLOB",
@@ -354,6 +372,7 @@ def _lock_path(matrix_path: str) -> Path:
 
 cache_registry_option = click.option(
     "--cache-registry", metavar="HOST[:PORT][/NAMESPACE]", envvar="MOPT_CACHE_REGISTRY", show_envvar=True,
+    callback=_registry_value,
     help="Share BuildKit's layer cache of the base, runtime and toolchain stages through this registry "
          "(<registry>/mopt-cache:<stage>-<image>-<tag>; inline cache with Engine 20.10, registry cache with buildx).")
 
@@ -427,6 +446,7 @@ def lock(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, 
     Builds each selected variant's runtime image (no engine compile) and reads it. A runtime that cannot be
     built here (a base no registry here serves) gets a partial entry: the versions the plan resolved and
     what is missing; a locked build refuses it until mopt lock runs where that runtime builds."""
+    from .build import Builder
     from .lock import make_lock
     from .plan import make_plan
     from .statelock import state_lock
@@ -437,7 +457,8 @@ def lock(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, 
         raise ConfigError("no planned variant matches --select; nothing to lock")
     path = _lock_path(matrix_path)
     with state_lock(options.state.root, "mopt lock", log=click.echo):
-        entries = make_lock(matrix, result.variants, make_plan(matrix).variants, options, path, log=click.echo)
+        builder = Builder(matrix, make_plan(matrix).variants, options, log=click.echo)
+        entries = make_lock(builder, result.variants, path, log=click.echo)
     partial = {k: e for k, e in entries.items() if e.get("missing")}
     click.echo(f"wrote {path}: {len(entries)} runtimes ({len(entries) - len(partial)} complete, {len(partial)} "
                f"partial), {sum(len(e['python']) for e in entries.values())} Python and "
@@ -462,7 +483,7 @@ def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path) -> None
 @matrix_option
 @select_option
 @state_option
-@click.option("--registry", required=True, metavar="HOST[:PORT][/NAMESPACE]")
+@registry_option(required=True)
 @click.option("--dry-run", is_flag=True, help="Show what would move; push nothing.")
 @click.option("--long-only", "record_dir", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Push and verify the long tags only, recording each in DIR for `mopt promote` (one runner's "
@@ -483,7 +504,7 @@ def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @matrix_option
 @select_option
 @state_option
-@click.option("--registry", required=True, metavar="HOST[:PORT][/NAMESPACE]")
+@registry_option(required=True)
 @click.option("--records", "record_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               metavar="DIR", help="The long-tag records of every runner (`mopt publish --long-only DIR`), any depth.")
 def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, record_dir: Path) -> None:
@@ -499,7 +520,7 @@ def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @select_option
 @state_option
 @hermetic_options
-@click.option("--registry", metavar="HOST[:PORT][/NAMESPACE]", help="Publish here (omit to build and test only).")
+@registry_option(required=False, help_text="Publish here (omit to build and test only).")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first failing variant (default: keep going).")
 @click.option("--locked", is_flag=True, help="Build exactly what mopt.lock.json pins (fails when it is stale).")
 @sign_key_option

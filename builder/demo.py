@@ -65,7 +65,7 @@ def run_demo(matrix_path: str, options: BuildOptions, port: int, serve_port: int
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+            if requests.get(f"{url}/ready", timeout=2).status_code == 200:  # the engine has loaded
                 break
         except requests.RequestException:
             time.sleep(0.5)

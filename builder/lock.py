@@ -143,15 +143,14 @@ def requirements_text(entry: dict) -> str:
     return "".join(line + "\n" for line in entry["python"])
 
 
-def make_lock(matrix, variants, all_variants, options, path: Path, log: Log = print) -> dict:
+def make_lock(builder, variants, path: Path, log: Log = print) -> dict:
     """Lock every selected variant's runtime and merge the entries into the lock file. Each runtime is
-    built up to its runtime stage (no engine compile: that needs the target GPU) and read; one that cannot
-    be built here (a base no registry here serves, an index out of reach) gets a partial entry that says
-    what is missing. Returns the entries written."""
+    built up to its runtime stage by BUILDER (a build.Builder; no engine compile: that needs the target
+    GPU) and read; one that cannot be built here (a base no registry here serves, an index out of reach)
+    gets a partial entry that says what is missing. Returns the entries written."""
     from .base import load_base
-    from .build import Builder
 
-    builder = Builder(matrix, all_variants, options, log=log)
+    matrix, options = builder.matrix, builder.options
     state = options.state
     wheels = [p for d in options.find_links for p in sorted(d.iterdir()) if p.suffix == ".whl"]
     previous = read_lock(path) if path.is_file() else None

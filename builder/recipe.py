@@ -28,18 +28,19 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
-class EngineParams:
+class RecipeEngine:
+    """The recipe's engine section as written (per image, before a variant picks device and form);
+    render.engine_params turns it into the runtime's EngineParams for one variant."""
+
     max_batch: int
     max_seq_len: int
     precision: str
     cpu_precision: str
-    shapes: str
-    seq_buckets: tuple[int, ...]
     tensorrt: dict
     compile_mode: str = "default"  # torch-aot/torch-inductor: Inductor mode, autotuning done at build time
     attention: str = "mask"  # torch-aot/torch-inductor: "causal" pads right and needs no mask tensor
     # torch-aot, torch-inductor: padded | packed (one token stream a call); None: the backend's choice
-    # by device and family (builder/data/backends/<name>.yaml input_forms).
+    # by device and family (builder/runtime/backends/<name>.yaml input_forms).
     input: str | None = None
     max_batch_tokens: int | None = None  # packed: tokens per engine call (default max_batch x max_seq_len)
     max_sequences: int | None = None  # packed: sequences per engine call (default max_batch)
@@ -62,7 +63,7 @@ class Recipe:
     normalize: bool
     instruction: str
     matryoshka_min_dim: int | None  # the smallest `dimensions` a request may ask; None: no Matryoshka
-    engine: EngineParams
+    engine: RecipeEngine
     serve_command: tuple[str, ...]
     port: int
     max_inputs: int
@@ -89,12 +90,6 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         raise doc.error(("name",), f"recipe name {data['name']!r} does not match the matrix's image "
                                    f"name {expected_name!r}")
     engine = data["engine"]
-    if engine.get("shapes") == "buckets" and not engine.get("seq_buckets"):
-        raise doc.error(("engine", "seq_buckets"), "shapes: buckets needs a non-empty seq_buckets list")
-    for bucket in engine.get("seq_buckets", []):
-        if bucket > engine["max_seq_len"]:
-            raise doc.error(("engine", "seq_buckets"),
-                            f"bucket {bucket} is larger than max_seq_len {engine['max_seq_len']}")
     trt = engine.get("tensorrt", {})
     for low, high, key in (("min_batch", "opt_batch", "max_batch"), ("min_seq_len", "opt_seq_len", "max_seq_len")):
         bounds = [trt.get(low, 1), trt.get(high, 1), engine[key]]
@@ -126,13 +121,11 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         normalize=data.get("embedding", {}).get("normalize", False),
         instruction=data.get("embedding", {}).get("instruction", ""),
         matryoshka_min_dim=data.get("embedding", {}).get("matryoshka_min_dim"),
-        engine=EngineParams(
+        engine=RecipeEngine(
             max_batch=engine["max_batch"],
             max_seq_len=engine["max_seq_len"],
             precision=engine["precision"],
             cpu_precision=engine.get("cpu_precision", "fp32"),
-            shapes=engine.get("shapes", "dynamic"),
-            seq_buckets=tuple(engine.get("seq_buckets", ())),
             tensorrt=dict(trt),
             compile_mode=engine.get("compile_mode", "default"),
             attention=engine.get("attention", "mask"),

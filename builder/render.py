@@ -19,11 +19,19 @@ from .errors import ConfigError
 from .hashing import dump_json, sha256_text, tree_digest
 from .matrix import Matrix
 from .plan import Variant
+from .runtime.errors import RuntimeToolError  # the contract (builder/runtime/params.py and what it raises):
+from .runtime.params import PARAMS_FILE, EngineParams  # torch-free, the host's only imports of the runtime
 
 # Inside the compile container (see templates/compile.sh.j2). The model sits where the final image
 # keeps it, so engine.json names a path that exists there (the opt-in recompile reads it).
 MOUNTS = {"model": "/opt/mopt/model", "inputs": "/mopt/inputs", "out": "/mopt/out"}
 RUNTIME_PACKAGE = Path(__file__).parent / "runtime"
+
+
+def runtime_digest(root: Path | None = None) -> str:
+    """The runtime stage's context key: every file the stage copies (build._link_tree copies all but
+    dotfiles and __pycache__, as tree_digest skips), openapi.json and other data included."""
+    return tree_digest(root or RUNTIME_PACKAGE)
 
 
 @cache
@@ -70,6 +78,9 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "description": recipe.description,
         "license": recipe.license, "source_url": recipe.source_url, "model_source": recipe.model.text,
         "entrypoint": entrypoint(recipe.serve_command), "port": recipe.port, "max_inputs": recipe.max_inputs,
+        # Docker's health is what `depends_on: service_healthy` waits for: mopt's server is ready once its
+        # engine has loaded (/health answers while loading); a backend's own server has /health only.
+        "ready_path": "/health" if spec.own_server else "/ready",
         "max_wait_ms": recipe.max_wait_ms,
         "source_date_epoch": _source_date_epoch(matrix),
         "packed": _packed(variant, recipe, spec),
@@ -133,6 +144,29 @@ def _render_template(env: jinja2.Environment, name: str, context: dict) -> str:
         raise ConfigError(f"template variable error: {exc.message}", file=f"templates/{name}") from None
 
 
+def engine_params(variant: Variant, context: dict) -> EngineParams:
+    """The engine parameters of a variant (the contract, builder/runtime/params.py), from its recipe as
+    the render context has it; validated here, so a combination the runtime refuses stops the render
+    (exit 2) before anything is built."""
+    engine, packed, options = context["engine"], context["packed"], context["compile_options"]
+    values = {
+        "backend": variant.backend, "device": variant.device, "precision": context["precision"],
+        "max_batch": packed["max_sequences"] if packed else engine.max_batch, "max_seq_len": engine.max_seq_len,
+        "pooling": context["pooling"], "normalize": context["normalize"], "instruction": context["instruction"],
+        "matryoshka_min_dim": context["matryoshka_min_dim"],
+    }
+    if "inductor" in options:
+        values.update(compile_mode=engine.compile_mode, attention=engine.attention)
+    if packed:
+        values.update(input_form="packed", max_batch_tokens=packed["max_batch_tokens"])
+    if "tensorrt" in options:  # the recipe's engine.tensorrt keys are the contract's trt_ fields (absent: its defaults)
+        values.update({f"trt_{key}": value for key, value in engine.tensorrt.items()})
+    try:
+        return EngineParams.parse(values)
+    except RuntimeToolError as exc:
+        raise ConfigError(f"{variant.id}: the runtime refuses these engine parameters: {exc.message}") from None
+
+
 def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_digest: str,
                    siblings: tuple[Variant, ...] = ()) -> RenderedVariant:
     """siblings: every planned variant of the same image and flavour (the guard names their tags)."""
@@ -157,11 +191,12 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
                   "tags_by_sm": {v.resolved["sm"]: v.tag for v in same_flavour if v.resolved.get("sm")}}
     files["image-info.json"] = dump_json(image_info)
     files["smoke-inputs.json"] = dump_json(list(recipe.smoke_inputs))
+    files[PARAMS_FILE] = dump_json(engine_params(variant, context).to_dict())
     base_key = sha256_text("base", files["Dockerfile.base"])
     runtime_key = sha256_text("runtime", base_key, files["Dockerfile.runtime"], runtime_digest)
     toolchain_key = sha256_text("toolchain", runtime_key, files["Dockerfile.toolchain"]) if toolchain else None
-    # Only what reaches the compile step: engine params (compile.sh), tags, reference texts.
-    compile_key = sha256_text("compile", toolchain_key or runtime_key, files["compile.sh"],
+    # Only what reaches the compile step: compile.sh, the engine parameters, tags, reference texts.
+    compile_key = sha256_text("compile", toolchain_key or runtime_key, files["compile.sh"], files[PARAMS_FILE],
                               files["image-info.json"], files["smoke-inputs.json"])
     final_key = sha256_text("final", compile_key, files["Dockerfile.final"])
     manifest = {
@@ -184,7 +219,7 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
                   "substitute": recipe.substitute.text if recipe.substitute else None,
                   "substitute_dimension": recipe.substitute_dimension},
         "engine": {"max_batch": recipe.engine.max_batch, "max_seq_len": recipe.engine.max_seq_len,
-                   "precision": recipe.precision_for(variant.device), "shapes": recipe.engine.shapes,
+                   "precision": recipe.precision_for(variant.device),
                    "pooling": recipe.pooling, "normalize": recipe.normalize,
                    "compile_mode": recipe.engine.compile_mode, "attention": recipe.engine.attention},
         "smoke": {"inputs": list(recipe.smoke_inputs), "min_cosine": recipe.min_cosine,
@@ -216,8 +251,8 @@ def render(matrix: Matrix, variants: tuple[Variant, ...], out: Path, templates: 
     templates = templates or matrix.path.parent / "templates"
     if not templates.is_dir():
         raise ConfigError("templates directory not found", file=str(templates))
-    runtime_digest = tree_digest(RUNTIME_PACKAGE, "**/*.py")
-    rendered = [render_variant(matrix, v, templates, runtime_digest, all_variants or variants) for v in variants]
+    digest = runtime_digest()
+    rendered = [render_variant(matrix, v, templates, digest, all_variants or variants) for v in variants]
     directories = []
     for item in rendered:  # everything rendered before anything is written: no half-rendered tree
         directory = out / item.variant.image / item.variant.tag

@@ -1,8 +1,8 @@
 """Smoke-test a final image in real containers (testcontainers; Ryuk disabled, cleanup by label).
 
-Checks: /health, embedding dimension, L2 normalisation, determinism, cosine >= the recipe's
-threshold against the reference outputs computed at compile time, the start-up guard refusing a
-tampered engine.json, and the server process not running as root.
+Checks: /ready (/health on a backend's own server), embedding dimension, L2 normalisation,
+determinism, cosine >= the recipe's threshold against the reference outputs computed at compile
+time, the start-up guard refusing a tampered engine.json, and the server process not running as root.
 """
 from __future__ import annotations
 
@@ -138,12 +138,21 @@ def _wait_healthy(container: DockerContainer, base: str, timeout: float) -> floa
             raise SmokeTestError(f"the container exited (code {wrapped.attrs['State']['ExitCode']}) before "
                                  f"becoming healthy:\n{logs}")
         try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+            if _ready(base):
                 return time.monotonic() - start
         except requests.RequestException:
             pass
         time.sleep(0.5)
-    raise SmokeTestError(f"/health did not answer 200 within {timeout:.0f}s")
+    raise SmokeTestError(f"/ready did not answer 200 within {timeout:.0f}s")
+
+
+def _ready(base: str) -> bool:
+    """mopt's server answers /ready 200 once its engine has loaded (/health already while loading); a
+    backend's own server (tensorrt-llm) has no /ready and answers /health once it serves."""
+    status = requests.get(f"{base}/ready", timeout=2).status_code
+    if status == 404:
+        status = requests.get(f"{base}/health", timeout=2).status_code
+    return status == 200
 
 
 def _check(checks: dict, name: str, fn: Callable[[], None]) -> None:

@@ -43,7 +43,8 @@ def load_public_key(path: Path):
         key = serialization.load_pem_public_key(Path(path).read_bytes())
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"{path}: not a PEM public key ({type(exc).__name__})") from None
-    if not isinstance(key, (ec.EllipticCurvePublicKey, ed25519.Ed25519PublicKey)):
+    if not isinstance(key, (ec.EllipticCurvePublicKey, ed25519.Ed25519PublicKey)) or \
+            (isinstance(key, ec.EllipticCurvePublicKey) and not isinstance(key.curve, ec.SECP256R1)):
         raise ConfigError(f"{path}: the key must be ECDSA P-256 or Ed25519")
     return key
 

@@ -51,13 +51,17 @@ def verify(api: RegistryApi, repo: str, name: str, reference: str, public_key) -
         if stmt is None:
             rejected.append(f"{artifact}: not signed by this key (or changed after signing)")
             continue
-        subjects = [s.get("digest", {}).get("sha256") for s in stmt.get("subject", []) if isinstance(s, dict)]
+        subject = stmt.get("subject")
+        subjects = [s["digest"].get("sha256") for s in (subject if isinstance(subject, list) else [])
+                    if isinstance(s, dict) and isinstance(s.get("digest"), dict)]
         if manifest.digest.split(":", 1)[1] not in subjects:
             rejected.append(f"{artifact}: signed for {', '.join('sha256:' + str(s) for s in subjects)}, "
                             f"not {manifest.digest}")
             continue
         predicate_type = stmt.get("predicateType", "")
-        if predicate_type == CYCLONEDX and not isinstance(stmt.get("predicate", {}).get("components"), list):
+        predicate = stmt.get("predicate")
+        components = predicate.get("components") if isinstance(predicate, dict) else None
+        if predicate_type == CYCLONEDX and not isinstance(components, list):
             rejected.append(f"{artifact}: an SBOM statement without components")
             continue
         found.setdefault(predicate_type, artifact)

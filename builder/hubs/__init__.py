@@ -14,7 +14,6 @@ commits already in the cache are used.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -24,31 +23,12 @@ from typing import Protocol
 
 from ..errors import BuildError, ConfigError
 from ..hashing import tree_sha256
+from .settings import ALLOW_PATTERNS, IGNORE_PATTERNS, HubSettings, offline_from_env  # noqa: F401  (the clients' API)
 
 Log = Callable[[str], None]
 
-# What the engines read: config, tokenizer, weights as safetensors, sentence-transformers pooling, the
-# model card (for its license). Not the ONNX/OpenVINO/PyTorch-pickle copies many repos also carry.
-ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "1_Pooling/*", "README.md")
-IGNORE_PATTERNS = ("onnx/*", "openvino/*", "*.onnx", "*.onnx_data", "*.bin", "*.h5", "*.msgpack", "*.ot")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 MANIFEST = ".mopt-files.json"  # relative path -> sha256, written once a commit is complete
-_TRUE = ("1", "true", "yes", "on")
-
-
-@dataclass(frozen=True)
-class HubSettings:
-    endpoint: str
-    token: str | None  # never printed: repr hides it
-    offline: bool
-
-    def __repr__(self) -> str:
-        shown = "set" if self.token else None
-        return f"HubSettings(endpoint={self.endpoint!r}, token={shown}, offline={self.offline})"
-
-
-def offline_from_env(*names: str) -> bool:
-    return any(os.environ.get(name, "").lower() in _TRUE for name in (*names, "MOPT_OFFLINE"))
 
 
 class Hub(Protocol):

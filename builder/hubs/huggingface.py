@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BuildError, ConfigError, EnvironmentProblem
-from . import ALLOW_PATTERNS, IGNORE_PATTERNS, HubSettings, offline_from_env
+from .settings import ALLOW_PATTERNS, IGNORE_PATTERNS, HubSettings, offline_from_env
 
 # huggingface_hub reads this at import. Without it, its first request goes to HF_ENDPOINT or huggingface.co
 # whatever endpoint= says, which an air-gapped or mirror-only site must not see.

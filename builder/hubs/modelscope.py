@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BuildError, ConfigError, EnvironmentProblem
-from . import ALLOW_PATTERNS, IGNORE_PATTERNS, HubSettings, offline_from_env
+from .settings import ALLOW_PATTERNS, IGNORE_PATTERNS, HubSettings, offline_from_env
 
 DEFAULT_ENDPOINT = "https://www.modelscope.cn"
 # Read by the SDK on each call. INTRA_CLOUD off: its acceleration probe can name any host to fetch from;

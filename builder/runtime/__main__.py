@@ -42,6 +42,13 @@ def _env_argument(parser: argparse.ArgumentParser, command: str, flag: str, env:
     return parser.add_argument(flag, default=value if value not in (None, "") else default, **kwargs)
 
 
+def _model_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names) or any(len(n) > 256 or not n.isprintable() for n in names) or len(set(names)) < len(names):
+        raise ValueError(text)
+    return names
+
+
 def _env_bool(env: str, text: str) -> bool:
     """A boolean option's value from the environment; anything but true/false/1/0/yes/no/on/off is
     the one-line usage error (exit 2) of a bad flag."""
@@ -74,6 +81,49 @@ def _engine_dir_argument(parser: argparse.ArgumentParser, command: str) -> None:
                   help="engine dir (engine.json + engine/); required unless the variable is set")
 
 
+def _engine_flags(c: argparse.ArgumentParser) -> None:
+    """The engine parameters as flags, for a compile by hand (mopt's build passes --params). A flag not
+    given takes params.EngineParams' default: the contract is the one place defaults live."""
+    from . import params as contract
+
+    e = c.add_argument_group("engine parameters", "each defaults to builder/runtime/params.py's EngineParams")
+    flag = {"default": argparse.SUPPRESS}
+    e.add_argument("--backend", **flag)
+    e.add_argument("--device", choices=contract.DEVICES, **flag)
+    e.add_argument("--precision", choices=contract.PRECISIONS, help="int8 and fp8: tensorrt only", **flag)
+    e.add_argument("--max-batch", type=int, **flag)
+    e.add_argument("--max-seq-len", type=int, **flag)
+    e.add_argument("--pooling", choices=contract.POOLINGS, **flag)
+    e.add_argument("--normalize", action=argparse.BooleanOptionalAction, **flag)
+    e.add_argument("--instruction", help="task for queries: 'Instruct: {task}\\nQuery:{q}'", **flag)
+    e.add_argument("--compile-mode", choices=contract.COMPILE_MODES,
+                   help="Inductor mode (--backend torch-aot or torch-inductor): autotuning runs once, here", **flag)
+    e.add_argument("--attention", choices=contract.ATTENTIONS,
+                   help="causal: causal decoders only; right padding and SDPA's is_causal, no mask tensor "
+                        "(flash attention). Exact: a real token never attends to a padded one", **flag)
+    e.add_argument("--input", dest="input_form", choices=contract.INPUT_FORMS,
+                   help="packed (torch-aot, torch-inductor): every sequence of a call in one token stream, no "
+                        "padding; variable-length flash attention on CUDA (fp16/bf16), per-sequence SDPA elsewhere",
+                   **flag)
+    e.add_argument("--max-batch-tokens", type=int,
+                   help="packed: the most tokens one engine call takes (0: max-batch x max-seq-len)", **flag)
+    e.add_argument("--model-name", help="name served in responses (default: the image's repository, else the "
+                   "model dir's name)", **flag)
+    e.add_argument("--matryoshka-min-dim", type=int,
+                   help="the model serves Matryoshka dimensions from this one up to the full one "
+                        "(Qwen3-Embedding: 32); requests' 'dimensions' truncate and re-normalise", **flag)
+    t = c.add_argument_group("tensorrt", "optimisation profile and builder options (--backend tensorrt)")
+    t.add_argument("--trt-min-batch", type=int, **flag)
+    t.add_argument("--trt-opt-batch", type=int, help="0: --max-batch", **flag)
+    t.add_argument("--trt-min-seq-len", type=int, **flag)
+    t.add_argument("--trt-opt-seq-len", type=int, help="0: --max-seq-len", **flag)
+    t.add_argument("--trt-opset", type=int, help="ONNX opset (>= 17)", **flag)
+    t.add_argument("--trt-hardware-compatibility", choices=contract.HARDWARE_COMPATIBILITY, **flag)
+    t.add_argument("--trt-version-compatible", action=argparse.BooleanOptionalAction, **flag)
+    t.add_argument("--trt-timing-cache", action=argparse.BooleanOptionalAction, **flag)
+    t.add_argument("--trt-workspace-mib", type=int, **flag)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mopt_runtime", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -81,48 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile an engine + engine.json + reference.json")
     c.add_argument("--model", required=True, help="Hugging Face model dir (config.json, tokenizer.json)")
     c.add_argument("--out", required=True, help="output dir: engine/, engine.json, reference.json")
-    c.add_argument("--backend", default="torch-aot")
-    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    c.add_argument("--precision", choices=("fp32", "bf16", "fp16", "int8", "fp8"), default="fp32",
-                   help="int8 and fp8: tensorrt only")
-    c.add_argument("--max-batch", type=int, default=32)
-    c.add_argument("--max-seq-len", type=int, default=512)
-    c.add_argument("--pooling", choices=("mean", "last", "cls"), default="mean")
-    c.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True)
-    c.add_argument("--instruction", default=None, help="task for queries: 'Instruct: {task}\\nQuery:{q}'")
+    c.add_argument("--params", default=None, help="the engine parameters as JSON (params.json, what mopt's "
+                   "build writes): instead of the engine flags below")
     c.add_argument("--target-sm", default=None, help="expected GPU arch, e.g. 90 (must match the GPU)")
     c.add_argument("--image-info", default=None, help="JSON text or file: repository, tag, tag_template, tags_by_sm")
     c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
-    c.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
-                   help="Inductor mode (--backend torch-aot or torch-inductor): autotuning runs once, here")
-    c.add_argument("--attention", choices=("mask", "causal"), default="mask",
-                   help="causal: causal decoders only; right padding and SDPA's is_causal, no mask tensor "
-                        "(flash attention). Exact: a real token never attends to a padded one")
-    c.add_argument("--input", dest="input_form", choices=("padded", "packed"), default="padded",
-                   help="packed (torch-aot, torch-inductor): every sequence of a call in one token stream, no padding; "
-                        "variable-length flash attention on CUDA (fp16/bf16), per-sequence SDPA elsewhere")
-    c.add_argument("--max-batch-tokens", type=int, default=0,
-                   help="packed: the most tokens one engine call takes (default max-batch x max-seq-len)")
-    c.add_argument("--model-name", default=None, help="name served in responses (default: model dir name)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")
     c.add_argument("--min-cosine", type=float, default=None,
                    help="refuse (exit 4) an engine whose cosine vs the reference is lower (default 0.99; "
                         "needs --verify)")
-    c.add_argument("--matryoshka-min-dim", type=int, default=None,
-                   help="the model serves Matryoshka dimensions from this one up to the full one "
-                        "(Qwen3-Embedding: 32); requests' 'dimensions' truncate and re-normalise")
-    t = c.add_argument_group("tensorrt", "optimisation profile and builder options (--backend tensorrt)")
-    t.add_argument("--trt-min-batch", type=int, default=1)
-    t.add_argument("--trt-opt-batch", type=int, default=0, help="0: --max-batch")
-    t.add_argument("--trt-min-seq-len", type=int, default=2)
-    t.add_argument("--trt-opt-seq-len", type=int, default=0, help="0: --max-seq-len")
-    t.add_argument("--trt-opset", type=int, default=17, help="ONNX opset (>= 17)")
-    t.add_argument("--trt-hardware-compatibility", default="none",
-                   choices=("none", "ampere_plus", "same_compute_capability"))
-    t.add_argument("--trt-version-compatible", action=argparse.BooleanOptionalAction, default=False)
-    t.add_argument("--trt-timing-cache", action=argparse.BooleanOptionalAction, default=True)
-    t.add_argument("--trt-workspace-mib", type=int, default=4096)
+    _engine_flags(c)
 
     k = sub.add_parser("check", help="run the start-up guard only (exit 3 on mismatch)")
     _engine_dir_argument(k, "check")  # H3
@@ -138,8 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
                        "max_batch_tokens; none for a padded engine)")
     _env_argument(s, "serve", "--max-wait-ms", "MOPT_MAX_WAIT_MS", type=float, default=5.0,
                   help="how long the batcher waits for more requests to fill a batch")
+    _env_argument(s, "serve", "--batch-quiet-ms", "MOPT_BATCH_QUIET_MS", type=float, default=2.0,
+                  help="an idle engine's batch goes out once no request came for this long (at most "
+                       "--max-wait-ms after the first): a burst of clients lands in one engine call")
+    _env_argument(s, "serve", "--engine-depth", "MOPT_ENGINE_DEPTH", type=int, default=2,
+                  help="engine calls in flight: 2 sends the next batch just before the running one ends, so the "
+                       "engine never waits for the server; 1 waits for each call to end")
     _env_argument(s, "serve", "--engine-process", "MOPT_ENGINE_PROCESS", action=argparse.BooleanOptionalAction,
-                  default=True, help="run the engine in a worker process, apart from the HTTP threads (no shared GIL)")
+                  default=True, help="run the engine in a worker process, apart from the HTTP threads (no shared GIL); "
+                                         "vLLM's forward passes run in its own process already")
+    _env_argument(s, "serve", "--served-model-name", "MOPT_SERVED_MODEL_NAME", type=_model_names, default=None,
+                  help="the model's name in responses and /v1/models, with aliases after commas (as vLLM's "
+                       "flag): 'name,alias'; a request naming an alias is answered with it (default: the "
+                       "engine's model name)")
     _env_argument(s, "serve", "--max-inputs", "MOPT_MAX_INPUTS", type=int, default=256,
                   help="inputs per request")
     _env_argument(s, "serve", "--max-input-tokens", "MOPT_MAX_INPUT_TOKENS", type=int, default=None,
@@ -165,12 +195,25 @@ def build_parser() -> argparse.ArgumentParser:
                   default=False, help="require the API key on /metrics too")
     _env_argument(s, "serve", "--cors-origins", "MOPT_CORS_ORIGINS", default="",
                   help="comma-separated origins allowed by CORS, or '*'; empty: no CORS headers")
-    _env_argument(s, "serve", "--max-connections", "MOPT_MAX_CONNECTIONS", type=int, default=256,
-                  help="open connections; beyond, a fast 503 with Retry-After")
+    _env_argument(s, "serve", "--max-connections", "MOPT_MAX_CONNECTIONS", type=int, default=2048,
+                  help="open connections; beyond, the longest-idle one is closed to make room, and only when every "
+                       "one has a request in progress is a new one answered 503")
+    _env_argument(s, "serve", "--max-inflight-bytes", "MOPT_MAX_INFLIGHT_BYTES", type=int, default=64 << 20,
+                  help="request bodies in flight, all requests together, reserved from Content-Length before a body "
+                       "is read; beyond: 503 with Retry-After (docs/server.md: the memory formula)")
+    _env_argument(s, "serve", "--tokenizer-threads", "MOPT_TOKENIZER_THREADS", type=int, default=2,
+                  help="threads that parse and tokenize large requests (small ones run on the event loop)")
+    _env_argument(s, "serve", "--header-timeout", "MOPT_HEADER_TIMEOUT", type=float, default=10.0,
+                  help="seconds from a connection's start (or a keep-alive request's first byte) to the end of "
+                       "its headers; 408 and close beyond")
+    _env_argument(s, "serve", "--engine-stall-timeout", "MOPT_ENGINE_STALL_TIMEOUT", type=float, default=5.0,
+                  help="seconds an engine call (or the idle worker's 1 s ping) may take, at least, before the engine "
+                       "counts as stalled: /health fails and the server exits 71 (the deadline is 4x a call's "
+                       "expected time when that is longer)")
     _env_argument(s, "serve", "--max-header-bytes", "MOPT_MAX_HEADER_BYTES", type=int, default=16 * 1024,
                   help="request line and headers, each bounded by this (414/431 beyond)")
     _env_argument(s, "serve", "--request-timeout", "MOPT_REQUEST_TIMEOUT", type=float, default=60.0,
-                  help="seconds for a whole request: reading it (not per read) and computing it")
+                  help="seconds for a request from the end of its headers: reading its body, queueing and computing")
     _env_argument(s, "serve", "--idle-timeout", "MOPT_IDLE_TIMEOUT", type=float, default=15.0,
                   help="seconds a keep-alive connection may wait for its next request")
     _env_argument(s, "serve", "--drain-timeout", "MOPT_DRAIN_TIMEOUT", type=float, default=8.0,
@@ -186,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_compile(a) -> dict:
+    from dataclasses import fields, replace
+
     from .compiler import DEFAULT_MIN_COSINE, compile_engine
     from .params import EngineParams
 
@@ -194,13 +239,15 @@ def cmd_compile(a) -> dict:
     model = Path(a.model)
     if not model.is_dir():
         raise UsageError(f"--model {model}: not a directory")
-    params = EngineParams(backend=a.backend, device=a.device, precision=a.precision, max_batch=a.max_batch,
-                          max_seq_len=a.max_seq_len, pooling=a.pooling, normalize=a.normalize,
-                          instruction=a.instruction, model_dir=str(model.resolve()), compile_mode=a.compile_mode,
-                          attention=a.attention, input_form=a.input_form, max_batch_tokens=a.max_batch_tokens,
-                          matryoshka_min_dim=a.matryoshka_min_dim,
-                          model_name=a.model_name or (image or {}).get("repository") or model.resolve().name,
-                          **{k: getattr(a, k) for k in vars(a) if k.startswith("trt_")})
+    flags = {f.name: getattr(a, f.name) for f in fields(EngineParams) if hasattr(a, f.name)}
+    if a.params is not None:
+        if flags:
+            raise UsageError(f"--params holds the engine parameters: drop {', '.join(sorted(flags))}")
+        params = EngineParams.read(a.params)
+    else:
+        params = EngineParams(**flags)
+    params = replace(params, model_dir=str(model.resolve()),
+                     model_name=params.model_name or (image or {}).get("repository") or model.resolve().name)
     min_cosine = DEFAULT_MIN_COSINE if a.min_cosine is None else a.min_cosine
     if not -1.0 <= min_cosine <= 1.0:
         raise UsageError(f"--min-cosine must be in -1..1, got {a.min_cosine}")
@@ -232,14 +279,14 @@ def http_options(a):
     if key is not None and not key.strip():
         raise UsageError("the API key is empty (--api-key, --api-key-file or their variables)")
     origins = tuple(o.strip() for o in a.cors_origins.split(",") if o.strip())
-    if a.max_connections < 1 or a.max_header_bytes < 1024:
-        raise UsageError("--max-connections must be >= 1 and --max-header-bytes >= 1024")
-    if min(a.request_timeout, a.idle_timeout, a.drain_timeout) <= 0:
-        raise UsageError("--request-timeout, --idle-timeout and --drain-timeout must be > 0")
+    if a.max_inflight_bytes < a.max_body_bytes:
+        raise UsageError("--max-inflight-bytes must be at least --max-body-bytes (one largest request must fit)")
     return HttpOptions(api_key=key, metrics_auth=a.metrics_auth, cors_origins=origins,
                        max_connections=a.max_connections, max_header_bytes=a.max_header_bytes,
                        request_timeout_s=a.request_timeout, idle_timeout_s=a.idle_timeout,
-                       drain_timeout_s=a.drain_timeout, json_logs=a.log_format == "json")
+                       header_timeout_s=a.header_timeout, drain_timeout_s=a.drain_timeout,
+                       max_inflight_bytes=a.max_inflight_bytes, tokenizer_threads=a.tokenizer_threads,
+                       json_logs=a.log_format == "json")
 
 
 def cmd_serve(a) -> int:
@@ -247,6 +294,7 @@ def cmd_serve(a) -> int:
     from .backends import backend_info, get_backend
     from .engine import Engine
     from .guard import resolve
+    from .metrics import Metrics
     from .server import configure_logging, serve
     from .service import EmbeddingService, ServerLimits
 
@@ -262,17 +310,27 @@ def cmd_serve(a) -> int:
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
                           max_body_bytes=a.max_body_bytes, max_input_chars=a.max_input_chars,
                           max_request_tokens=a.max_request_tokens, max_queue_tokens=a.max_queue_tokens,
-                          auto_truncate=a.auto_truncate, request_timeout_s=a.request_timeout)
+                          auto_truncate=a.auto_truncate, request_timeout_s=a.request_timeout,
+                          engine_ping_s=1.0, engine_stall_s=a.engine_stall_timeout, engine_depth=a.engine_depth,
+                          batch_quiet_ms=a.batch_quiet_ms, served_model_names=a.served_model_name or ())
+    if a.engine_depth < 1 or a.batch_quiet_ms < 0:
+        raise UsageError("--engine-depth must be >= 1 and --batch-quiet-ms >= 0")
+    if a.engine_stall_timeout <= 0:
+        raise UsageError("--engine-stall-timeout must be > 0")
     if limits.max_batch < 1 or limits.max_inputs < 1:
         raise UsageError("--max-batch and --max-inputs must be >= 1")
-    if a.engine_process:  # the guard, the load and the forward passes in a worker (worker.py says why)
+    metrics = Metrics()
+    # The server listens while the engine loads: /health says "loading", /ready 503 until it is done.
+    if a.engine_process and not backend_info(info["backend"]).concurrent_calls:
+        # the guard, the load and the forward passes in a worker (worker.py says why); an engine whose
+        # forward passes run in a process of its own (vLLM) needs no worker in between
         from .worker import EngineProcess
 
-        engine = EngineProcess(a.engine_dir).start()
-    else:
-        engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
-        engine = Engine.from_info(engine_dir, data)
-    return serve(EmbeddingService(engine, limits), a.host, a.port, options)
+        return serve(None, a.host, a.port, options, metrics=metrics,
+                     load=lambda: EmbeddingService(EngineProcess(a.engine_dir).start(), limits, metrics))
+    engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+    return serve(None, a.host, a.port, options, metrics=metrics,
+                 load=lambda: EmbeddingService(Engine.from_info(engine_dir, data), limits, metrics))
 
 
 def cmd_tiny(a) -> dict:

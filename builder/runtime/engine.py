@@ -97,6 +97,10 @@ class Engine:
         probe = getattr(self.run, "exitcode", None)
         return probe() if probe is not None else None
 
+    @property
+    def concurrent_calls(self) -> bool:
+        return backend_info(self.params.backend).concurrent_calls
+
     def close(self) -> None:
         stop = getattr(self.run, "close", None)
         if stop is not None:
@@ -112,6 +116,9 @@ class Engine:
         too_long = [i for i, s in enumerate(seqs) if len(s) > self.params.max_seq_len]
         if too_long:
             raise ValueError(f"inputs {too_long} exceed the engine's max_seq_len {self.params.max_seq_len}")
+        direct = getattr(self.run, "embed_ids", None)
+        if direct is not None and seqs:  # the backend takes the sequences as they are (vLLM: no padding to undo)
+            return direct(seqs)
         out = torch.empty(len(seqs), self.dim, dtype=torch.float32)
         # Sorted by length and cut into calls of similar lengths (plan_calls): padding stays small.
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))

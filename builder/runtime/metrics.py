@@ -22,7 +22,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DROP_REASONS = ("timeout", "client_gone", "queue_full")
+# timeout, client_gone: dropped before the engine; queue_full: the token budget; busy: the byte budget;
+# shutdown: queued when the drain's cut-off came; engine_down: queued when the engine died or stalled.
+DROP_REASONS = ("timeout", "client_gone", "queue_full", "busy", "shutdown", "engine_down")
 
 
 class _Histogram:
@@ -55,6 +57,7 @@ class Metrics:
         self.tokens = 0
         self.inputs = 0
         self.queue_depth = 0
+        self.engine_seconds = 0.0  # engine calls' running time, summed (utilisation = its rate)
         self.batch_size = _Histogram(BATCH_BUCKETS)
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.registry = CollectorRegistry()
@@ -74,9 +77,10 @@ class Metrics:
             self.tokens += tokens
             self.inputs += inputs
 
-    def batch_done(self, size: int) -> None:
+    def batch_done(self, size: int, seconds: float = 0.0) -> None:
         with self._lock:
             self.batch_size.observe(size)
+            self.engine_seconds += seconds
 
     def set_queue_depth(self, n: int) -> None:
         self.queue_depth = n  # one assignment: atomic under the GIL
@@ -106,6 +110,8 @@ class Metrics:
                         CounterMetricFamily("mopt_inputs", "Inputs embedded.", value=self.inputs),
                         GaugeMetricFamily("mopt_queue_depth", "Inputs waiting for the batch worker.",
                                           value=self.queue_depth),
+                        CounterMetricFamily("mopt_engine_seconds", "Seconds engine calls ran (its rate of "
+                                            "increase is the engine's utilisation).", value=self.engine_seconds),
                         latency, batch, dropped]
         yield from families
 

@@ -1,9 +1,16 @@
-"""Engine build parameters: one frozen dataclass shared by compile, guard, loader and server."""
+"""Engine build parameters: one frozen dataclass shared by compile, guard, loader and server, and by
+the host: the contract between them. The host's render fills it from the recipe and writes it into the
+compile step's inputs as params.json (PARAMS_FILE); the compile step reads that file, records the
+same fields in engine.json, and the guard, loader and server read them back from there.
+tests/unit/test_contract.py checks that image.schema.json's engine section agrees with it.
+
+Torch-free on purpose: the host imports this module (and the registry and errors it needs) only."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 
-from .backends import BACKENDS, backend_info
+from .backends.registry import BACKENDS, backend_info
 from .errors import UsageError
 
 POOLINGS = ("mean", "last", "cls")
@@ -21,6 +28,9 @@ ATTENTIONS = ("mask", "causal")
 INPUT_FORMS = ("padded", "packed")
 # The loader pads sequences up to a multiple of this, so few distinct shapes reach the kernels.
 SEQ_BUCKET = 8
+MAX_BATCH = 4096
+MAX_SEQ_LEN = 32768
+PARAMS_FILE = "params.json"  # in the compile step's inputs
 PADDED_SHAPE_POLICY = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded to multiple of {SEQ_BUCKET}"
 PACKED_SHAPE_POLICY = "packed: up to max_batch sequences and max_batch_tokens tokens a call, no padding"
 
@@ -86,13 +96,13 @@ class EngineParams:
         if self.device == "cpu" and self.precision != "fp32":
             # Half precision on CPU is slow and its accuracy vs the fp32 reference is not checked.
             raise UsageError(f"--precision {self.precision} needs --device cuda; use fp32 on cpu")
-        if not 1 <= self.max_batch <= 4096:
-            raise UsageError(f"--max-batch must be in 1..4096, got {self.max_batch}")
+        if not 1 <= self.max_batch <= MAX_BATCH:
+            raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if self.matryoshka_min_dim is not None and (type(self.matryoshka_min_dim) is not int
                                                     or self.matryoshka_min_dim < 1):
             raise UsageError(f"--matryoshka-min-dim must be an integer >= 1, got {self.matryoshka_min_dim!r}")
-        if not SEQ_BUCKET <= self.max_seq_len <= 32768:
-            raise UsageError(f"--max-seq-len must be in {SEQ_BUCKET}..32768, got {self.max_seq_len}")
+        if not SEQ_BUCKET <= self.max_seq_len <= MAX_SEQ_LEN:
+            raise UsageError(f"--max-seq-len must be in {SEQ_BUCKET}..{MAX_SEQ_LEN}, got {self.max_seq_len}")
 
 
     def _check_graph_form(self, backend) -> None:
@@ -132,5 +142,43 @@ class EngineParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineParams:
+        """From an engine.json's params: fields a newer mopt added are dropped (older engines load)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def parse(cls, data: object, source: str = PARAMS_FILE) -> EngineParams:
+        """Strictly, from params.json: every key known, every value of its field's type, then validated."""
+        if not isinstance(data, dict):
+            raise UsageError(f"{source}: expected a JSON object of engine parameters")
+        types = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(data) - set(types))
+        if unknown:
+            raise UsageError(f"{source}: unknown engine parameters {unknown} (known: {', '.join(types)})")
+        for key, value in data.items():
+            if not _of_type(value, types[key]):
+                raise UsageError(f"{source}: {key} must be {types[key]}, got {value!r}")
+        return cls(**data)
+
+    @classmethod
+    def read(cls, path) -> EngineParams:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise UsageError(f"{path}: cannot read engine parameters: {exc}") from None
+        return cls.parse(data, str(path))
+
+
+def _of_type(value: object, annotation: str) -> bool:
+    """value against a field's annotation (a string under `from __future__ import annotations`)."""
+    for name in (part.strip() for part in annotation.split("|")):
+        if name == "None" and value is None:
+            return True
+        if name == "bool" and type(value) is bool:
+            return True
+        if name == "int" and type(value) is int:
+            return True
+        if name == "str" and type(value) is str:
+            return True
+    return False

@@ -58,12 +58,26 @@ class ServerLimits:
     # Truncate over-long inputs when a request does not say. Off: a silent cut changes the embedding
     # without telling the client, so over-long input is a 400 unless asked for (TEI's default too).
     auto_truncate: bool = False
+    # The engine's heartbeat (batcher.py): an idle batcher pings the engine this often (None: never), and a
+    # call counts as stalled past max(engine_stall_s, 4 x its expected time).
+    engine_ping_s: float | None = None
+    engine_stall_s: float = 5.0
+    # Engine calls in flight: 2 sends the next batch while one runs, so the engine never waits for the
+    # server between calls (batcher.py); 1 waits for each call to end.
+    engine_depth: int = 2
+    # An idle engine's batch goes out once no request came for this long (capped by max_wait_ms).
+    batch_quiet_ms: float = 2.0
+    # --served-model-name: the name in responses and /v1/models, then its aliases (empty: the engine's).
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_request_tokens", "max_queue_tokens", "max_input_chars", "max_batch_tokens"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise UsageError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+
+
+MODEL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "int8", "fp8": "float8_e4m3fn"}
 
 
 class ApiError(Exception):
@@ -76,6 +90,15 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Work:
+    """A checked, tokenized request: the token ids for the engine, and what turns vectors into the body."""
+
+    seqs: list
+    tokens: int
+    finish: object  # callable(vectors) -> the response body
 
 
 @dataclass(frozen=True)
@@ -111,24 +134,31 @@ def parse_inputs(payload, max_inputs: int, key: str = "input") -> tuple[list, bo
                    param=key, code="invalid_input")
 
 
-def _optional_string(payload: dict, name: str) -> None:
+def _optional_string(payload: dict, name: str) -> str | None:
     value = payload.get(name)
     if value is not None and not isinstance(value, str):
         raise ApiError(400, f"{name} must be a string", param=name, code=f"invalid_{name}")
+    return value
 
 
 def _cut(seq, n: int, direction: str):
     return seq[:n] if direction == "right" else seq[len(seq) - n:]
 
 
-def _shape(vec: list[float], dims: int | None, normalize: bool) -> list[float]:
-    """The first dims values (Matryoshka), then unit length again when normalize."""
+def _shape(vec, dims: int | None, normalize: bool):
+    """The first dims values (Matryoshka), then unit length again when normalize. vec: a list of floats,
+    or a float32 row of the engine process's answer (kept as it is: orjson writes it directly)."""
     if dims is not None:
         vec = vec[:dims]
     if normalize:
-        norm = math.sqrt(math.fsum(x * x for x in vec))
-        if norm > 0:
-            vec = [x / norm for x in vec]
+        if isinstance(vec, list):
+            norm = math.sqrt(math.fsum(x * x for x in vec))
+            if norm > 0:
+                vec = [x / norm for x in vec]
+        else:
+            norm = math.sqrt(math.fsum(float(x) * float(x) for x in vec.tolist()))
+            if norm > 0:
+                vec = (vec / norm).astype(vec.dtype)
     return vec
 
 
@@ -140,7 +170,9 @@ class EmbeddingService:
     OPENAI_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "input_type",
                                "truncate_prompt_tokens", "user"})
     TEI_FIELDS = frozenset({"inputs", "truncate", "truncation_direction", "normalize", "dimensions", "prompt_name"})
-    REQUEST_FIELDS = {"/v1/embeddings": OPENAI_FIELDS, "/embeddings": OPENAI_FIELDS, "/embed": TEI_FIELDS}
+    REQUEST_FIELDS = {"/v1/embeddings": OPENAI_FIELDS, "/embeddings": OPENAI_FIELDS, "/embed": TEI_FIELDS,
+                      "/": TEI_FIELDS}
+    TEI_ROUTES = ("/embed", "/")
 
     def __init__(self, engine, limits: ServerLimits, metrics: Metrics | None = None):
         self.engine = engine
@@ -148,13 +180,18 @@ class EmbeddingService:
         self.metrics = metrics or Metrics()
         self.max_tokens = min(limits.max_input_tokens or engine.params.max_seq_len, engine.params.max_seq_len)
         self.max_chars = limits.max_input_chars or CHARS_PER_TOKEN * self.max_tokens
-        self.model_name = engine.params.model_name or "mopt-embedding"
+        self.model_names = limits.served_model_names or (engine.params.model_name or "mopt-embedding",)
+        self.model_name = self.model_names[0]
         p = engine.params
         # A packed engine takes at most its own budget in one call: a larger one would only be cut again.
         budget = limits.max_batch_tokens
         self.max_batch_tokens = min(budget or p.batch_tokens, p.batch_tokens) if p.packed else budget
         self.batcher = Batcher(engine.embed_ids, limits.max_batch, limits.max_wait_ms, self.metrics,
-                               max_queue_tokens=limits.max_queue_tokens, max_batch_tokens=self.max_batch_tokens)
+                               max_queue_tokens=limits.max_queue_tokens, max_batch_tokens=self.max_batch_tokens,
+                               ping_interval_s=limits.engine_ping_s, stall_timeout_s=limits.engine_stall_s,
+                               submit=getattr(engine, "submit", None), depth=limits.engine_depth,
+                               quiet_s=limits.batch_quiet_ms / 1000.0,
+                               concurrent=getattr(engine, "concurrent_calls", False))
         self._failure_lock = threading.Lock()
         self._last_failure: BaseException | None = None  # logged already (one line per failed batch)
 
@@ -164,9 +201,16 @@ class EmbeddingService:
         alive = getattr(self.engine, "alive", None)
         return alive is None or bool(alive())
 
+    def engine_stalled(self) -> float | None:
+        """Seconds the engine's current call has run, once past its deadline (batcher.stalled)."""
+        return self.batcher.stalled()
+
     def health(self) -> dict:
         if not self.engine_alive():
             raise ApiError(503, "the engine process has exited", code="engine_down")
+        stalled = self.engine_stalled()
+        if stalled is not None:
+            raise ApiError(503, f"the engine has not answered for {stalled:.1f}s", code="engine_stalled")
         info, p = self.engine.info, self.engine.params
         return {"status": "ok", "model": self.model_name, "backend": info["backend"],
                 "device": info["device"], "target_sm": info["target_sm"], "torch": info["torch"],
@@ -178,8 +222,9 @@ class EmbeddingService:
         """OpenAI's GET /v1/models: the one model this server embeds with."""
         created = self.engine.info.get("created")
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": created if type(created) is int else 0,
-            "owned_by": "mopt", "max_model_len": self.max_tokens}]}
+            "id": name, "object": "model", "created": created if type(created) is int else 0,
+            "owned_by": "mopt", "max_model_len": self.max_tokens, "root": self.model_name}
+            for name in self.model_names]}
 
     def matryoshka_range(self) -> list[int] | None:
         low = self.engine.params.matryoshka_min_dim
@@ -189,9 +234,19 @@ class EmbeddingService:
         """GET /info: the model, its limits and what it was built with."""
         info, p = self.engine.info, self.engine.params
         image = info.get("image")
-        return {"model": self.model_name, "embedding_dim": self.engine.dim,
+        image = image if isinstance(image, dict) else None
+        tei = {  # text-embeddings-inference's Info fields (its OpenAPI document), for its clients
+            "model_id": self.model_name, "model_sha": info.get("model_digest"),
+            "model_dtype": MODEL_DTYPES.get(p.precision, p.precision),
+            "model_type": {"embedding": {"pooling": p.pooling}}, "max_input_length": self.max_tokens,
+            "max_batch_tokens": self.max_batch_tokens or p.batch_tokens, "max_batch_requests": self.limits.max_batch,
+            "max_client_batch_size": self.limits.max_inputs, "version": (image or {}).get("long_tag") or "unknown",
+            "sha": None, "docker_label": (image or {}).get("tag"),
+        }
+        return {**tei, "model": self.model_name, "embedding_dim": self.engine.dim,
                 "max_input_tokens": self.max_tokens, "max_input_chars": self.max_chars,
-                "limits": {**asdict(self.limits), "max_input_tokens": self.max_tokens,
+                "limits": {**asdict(self.limits), "served_model_names": list(self.model_names),
+                           "max_input_tokens": self.max_tokens,
                            "max_input_chars": self.max_chars, "max_batch_tokens": self.max_batch_tokens},
                 "backend": info.get("backend"), "backend_version": info.get("backend_version"),
                 "torch": info.get("torch"), "device": info.get("device"), "target_sm": info.get("target_sm"),
@@ -205,8 +260,23 @@ class EmbeddingService:
 
     def embeddings(self, payload, deadline: float | None = None, client_gone=None) -> tuple[dict, int]:
         """OpenAI's POST /v1/embeddings, with vLLM's truncate_prompt_tokens and an input_type extension."""
+        return self.run(self.prepare_embeddings(payload), deadline, client_gone)
+
+    def embed(self, payload, deadline: float | None = None, client_gone=None) -> tuple[list, int]:
+        """TEI's POST /embed: {"inputs", "truncate", "truncation_direction", "normalize", "dimensions",
+        "prompt_name"} -> a list of vectors. Errors in OpenAI's format (see the module docstring)."""
+        return self.run(self.prepare_embed(payload), deadline, client_gone)
+
+    def prepare(self, route: str, payload) -> Work:
+        """The request checked and tokenized, ready for the engine (no engine work yet)."""
+        return self.prepare_embed(payload) if route in self.TEI_ROUTES else self.prepare_embeddings(payload)
+
+    def prepare_embeddings(self, payload) -> Work:
         inputs, are_ids = parse_inputs(payload, self.limits.max_inputs)
-        _optional_string(payload, "model")  # accepted and ignored (one model), but a string as OpenAI's
+        # One model: any name is served by it (clients send their own defaults); a served name or alias is
+        # echoed in the response, any other gets the primary name. A string, as OpenAI's.
+        asked = _optional_string(payload, "model")
+        answer_name = asked if asked in self.model_names else self.model_name
         _optional_string(payload, "user")
         fmt = payload.get("encoding_format")
         fmt = "float" if fmt in (None, "") else fmt  # not `or`: false, 0 and {} are errors, not the default
@@ -219,17 +289,18 @@ class EmbeddingService:
             raise ApiError(400, "input_type must be 'query' or 'document'", param="input_type",
                            code="invalid_input_type")
         seqs = self._sequences(inputs, are_ids, input_type == "query", self._vllm_truncation(payload), "input")
-        vectors = self._run(seqs, deadline, client_gone)
         renormalize = dims is not None and self.engine.params.normalize
         tokens = sum(len(s) for s in seqs)
-        data = [{"object": "embedding", "index": i, "embedding": _encode(_shape(v, dims, renormalize), fmt)}
-                for i, v in enumerate(vectors)]
-        return {"object": "list", "data": data, "model": self.model_name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, tokens
 
-    def embed(self, payload, deadline: float | None = None, client_gone=None) -> tuple[list, int]:
-        """TEI's POST /embed: {"inputs", "truncate", "truncation_direction", "normalize", "dimensions",
-        "prompt_name"} -> a list of vectors. Errors in OpenAI's format (see the module docstring)."""
+        def finish(vectors) -> dict:
+            data = [{"object": "embedding", "index": i, "embedding": _encode(_shape(v, dims, renormalize), fmt)}
+                    for i, v in enumerate(vectors)]
+            return {"object": "list", "data": data, "model": answer_name,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+        return Work(seqs, tokens, finish)
+
+    def prepare_embed(self, payload) -> Work:
         inputs, are_ids = parse_inputs(payload, self.limits.max_inputs, key="inputs")
         normalize = payload.get("normalize")
         normalize = True if normalize is None else normalize  # TEI's default
@@ -245,11 +316,18 @@ class EmbeddingService:
                            param="prompt_name", code="invalid_prompt_name")
         dims = self._dimensions(payload)
         seqs = self._sequences(inputs, are_ids, prompt_name == "query", self._tei_truncation(payload), "inputs")
-        vectors = self._run(seqs, deadline, client_gone)
         # Unit length again after a Matryoshka cut, or at all when the engine leaves vectors as they are.
         renormalize = normalize and (dims is not None or not self.engine.params.normalize)
-        tokens = sum(len(s) for s in seqs)
-        return [_shape(v, dims, renormalize) for v in vectors], tokens
+
+        def finish(vectors) -> list:
+            return [_shape(v, dims, renormalize) for v in vectors]
+
+        return Work(seqs, sum(len(s) for s in seqs), finish)
+
+    def run(self, work: Work, deadline: float | None = None, client_gone=None):
+        """Blocking: submit, wait (in slices: a passed deadline or a gone client cancels it), finish.
+        Returns (body, tokens). The HTTP server awaits submit()'s future instead."""
+        return work.finish(self._run(work.seqs, deadline, client_gone)), work.tokens
 
     # --- request options --------------------------------------------------------------------------
 
@@ -370,25 +448,33 @@ class EmbeddingService:
 
     # --- the engine -------------------------------------------------------------------------------
 
-    def _run(self, seqs: list[list[int]], deadline: float | None, client_gone) -> list[list[float]]:
-        """Queue the work and wait for it, in slices: a passed deadline or a gone client cancels it."""
-        if deadline is None:
-            deadline = time.monotonic() + self.limits.request_timeout_s
+    def submit(self, seqs: list[list[int]], deadline: float, client_gone=None):
+        """Queue the work; its concurrent Future gets the vectors. A full queue is a 503 with Retry-After."""
         try:
-            fut = self.batcher.submit(seqs, deadline, client_gone)
+            return self.batcher.submit(seqs, deadline, client_gone)
         except QueueFull as full:
             self.metrics.request_dropped("queue_full")
             raise ApiError(503, f"the server is busy (its queue is full); retry after {full.retry_after}s",
                            code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
+
+    def failure(self, exc: BaseException) -> ApiError:
+        """The ApiError for a future that failed: dropped from the queue, or an engine failure."""
+        if isinstance(exc, Dropped):
+            return self._dropped(exc.reason)
+        return self._engine_failed(exc)
+
+    def _run(self, seqs: list[list[int]], deadline: float | None, client_gone) -> list[list[float]]:
+        """Queue the work and wait for it, in slices: a passed deadline or a gone client cancels it."""
+        if deadline is None:
+            deadline = time.monotonic() + self.limits.request_timeout_s
+        fut = self.submit(seqs, deadline, client_gone)
         while True:
             try:
                 return fut.result(timeout=max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
             except TimeoutError:
                 pass
-            except Dropped as dropped:  # the batcher found the deadline passed or the client gone
-                raise self._dropped(dropped.reason) from None
-            except Exception as exc:  # noqa: BLE001  (the engine failed this batch)
-                raise self._engine_failed(exc) from None
+            except Exception as exc:  # noqa: BLE001  (dropped, or the engine failed this batch)
+                raise self.failure(exc) from None
             if time.monotonic() >= deadline:
                 reason = "timeout"
             elif client_gone is not None and client_gone():
@@ -414,6 +500,12 @@ class EmbeddingService:
         self.metrics.request_dropped(reason)
         if reason == "timeout":
             return ApiError(503, "timed out waiting for the engine", code="timeout")
+        if reason == "shutdown":
+            return ApiError(503, "the server is shutting down; retry on another replica", code="shutting_down",
+                            headers={"Retry-After": "1", "Connection": "close"})
+        if reason == "engine_down":
+            return ApiError(503, "the engine stopped; the server is restarting", code="engine_down",
+                            headers={"Connection": "close"})
         # 499 (nginx's "client closed request"): never sent, the client is gone; logged and counted.
         return ApiError(499, "the client closed the connection", code="client_closed_request")
 
@@ -424,7 +516,8 @@ class EmbeddingService:
             close_engine()
 
 
-def _encode(vec: list[float], fmt: str):
+def _encode(vec, fmt: str):
     if fmt == "base64":  # OpenAI's base64: little-endian float32
-        return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+        raw = vec.astype("<f4").tobytes() if hasattr(vec, "astype") else struct.pack(f"<{len(vec)}f", *vec)
+        return base64.b64encode(raw).decode()
     return vec

@@ -17,8 +17,12 @@ import multiprocessing
 import os
 import signal
 import sys
-from array import array
+import threading
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
+
+import numpy as np
 
 from .engine import engine_encoder
 from .errors import RuntimeToolError
@@ -70,8 +74,12 @@ WORKER_REAP_S = 2.0  # how long a request waits for a worker whose pipe broke to
 
 
 class EngineProcess:
-    """What the server needs of an Engine (params, encoder, info, dim, embed_ids), with the engine
-    in a worker process. start() returns once the worker's guard passed and the engine loaded."""
+    """What the server needs of an Engine (params, encoder, info, dim, embed_ids, submit), with the
+    engine in a worker process. start() returns once the worker's guard passed and the engine loaded.
+
+    submit() sends a batch at once and returns a Future; a receiver thread reads the answers, which
+    come in the order the batches were sent, so the batcher can send the next batch while the worker
+    still computes the one before (the pipe holds it): the worker never waits for the server."""
 
     def __init__(self, out_dir: str | Path):
         self.out_dir = str(out_dir)
@@ -82,6 +90,10 @@ class EngineProcess:
         self.params: EngineParams | None = None
         self.encoder: TextEncoder | None = None
         self.info: dict = {}
+        self._pending: deque[tuple[Future, int]] = deque()  # sent, not answered: (future, rows)
+        self._send_lock = threading.Lock()
+        self._receiver: threading.Thread | None = None
+        self._broken: RuntimeError | None = None  # set once the pipe broke
 
     def start(self) -> EngineProcess:
         self._proc.start()
@@ -115,22 +127,58 @@ class EngineProcess:
         """The worker's exit code once it has exited (negative: killed by that signal)."""
         return self._proc.exitcode
 
-    def embed_ids(self, seqs: list[list[int]]) -> list[list[float]]:
-        """Called by the batcher's single thread only (one request in flight on the pipe)."""
-        try:
-            self._conn.send(seqs)
-            status, payload = self._conn.recv()
-        except (EOFError, OSError):
-            # The pipe breaks before the process is reaped: wait for it (bounded), so alive() is False
-            # when the service decides between 503 engine_down and 500 (and the exit code is known).
-            self._proc.join(WORKER_REAP_S)
-            raise RuntimeError(f"the engine process is gone (exit code {self._proc.exitcode})") from None
-        if status != "ok":
-            raise RuntimeError(f"the engine process failed this batch: {payload}")
-        flat = array("f")
-        flat.frombytes(payload)
+    def embed_ids(self, seqs: list[list[int]]):
+        """The vectors of seqs, float32 rows (blocking)."""
+        return self.submit(seqs).result()
+
+    def submit(self, seqs: list[list[int]]) -> Future:
+        """Send one batch; the Future gets a float32 array [len(seqs), dim], or the worker's error."""
+        fut: Future = Future()
+        with self._send_lock:
+            if self._broken is not None:  # the pipe broke: every later batch fails at once
+                fut.set_exception(self._broken)
+                return fut
+            self._pending.append((fut, len(seqs)))
+            if self._receiver is None:
+                self._receiver = threading.Thread(target=self._receive, name="mopt-engine-pipe", daemon=True)
+                self._receiver.start()
+            try:
+                self._conn.send(seqs)
+            except (OSError, ValueError):
+                self._pending.remove((fut, len(seqs)))
+                fut.set_exception(self._gone())
+        return fut
+
+    def _gone(self) -> RuntimeError:
+        # The pipe breaks before the process is reaped: wait for it (bounded), so alive() is False when
+        # the service decides between 503 engine_down and 500 (and the exit code is known).
+        self._proc.join(WORKER_REAP_S)
+        return RuntimeError(f"the engine process is gone (exit code {self._proc.exitcode})")
+
+    def _receive(self) -> None:
         dim = self.dim
-        return [flat[i * dim:(i + 1) * dim].tolist() for i in range(len(seqs))]
+        while True:
+            try:
+                status, payload = self._conn.recv()
+            except (EOFError, OSError):
+                err = self._gone()
+                with self._send_lock:
+                    self._broken = err
+                    while self._pending:
+                        fut, _ = self._pending.popleft()
+                        fut.set_exception(err)
+                return
+            fut, rows = self._pending.popleft()
+            if status != "ok":
+                fut.set_exception(RuntimeError(f"the engine process failed this batch: {payload}"))
+            else:
+                fut.set_result(np.frombuffer(payload, dtype=np.float32).reshape(rows, dim))
+
+    def kill(self) -> None:
+        """End a stalled worker at once (SIGKILL reaches a stopped process too)."""
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(WORKER_REAP_S)
 
     def close(self, timeout: float = 10.0) -> None:
         if self._proc.is_alive():

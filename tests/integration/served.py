@@ -31,6 +31,7 @@ class ServedContainer:
     memory: str = "2g"
     env: dict = field(default_factory=dict)
     docker_args: tuple[str, ...] = ()  # more `docker run` options, e.g. ("--user", "4242:4242")
+    pids_limit: int = 512
     cid: str = ""
     port: int = 0
 
@@ -38,13 +39,31 @@ class ServedContainer:
         env = [x for k, v in self.env.items() for x in ("-e", f"{k}={v}")]
         # --memory-swap equal to --memory: no swap, so going over the limit is an OOM kill, not a slow-down.
         self.cid = _docker(self.docker, "run", "-d", "--label", LABEL, *HARDENED, "--memory", self.memory,
-                           "--memory-swap", self.memory, "--pids-limit", "512",
+                           "--memory-swap", self.memory, "--pids-limit", str(self.pids_limit),
                            "-p", f"127.0.0.1::{CONTAINER_PORT}", *env, *self.docker_args, self.image,
                            *self.server_args)
-        mapping = _docker(self.docker, "port", self.cid, f"{CONTAINER_PORT}/tcp")
-        self.port = int(mapping.splitlines()[0].rsplit(":", 1)[1])
+        self.refresh_port()
         self.wait_healthy(health_timeout_s)
         return self
+
+    def refresh_port(self) -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                mapping = _docker(self.docker, "port", self.cid, f"{CONTAINER_PORT}/tcp")
+                self.port = int(mapping.splitlines()[0].rsplit(":", 1)[1])
+                return
+            except (RuntimeError, IndexError, ValueError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def inspect(self, template: str) -> str:
+        return _docker(self.docker, "inspect", "--format", template, self.cid)
+
+    def docker_stop(self, timeout_s: int = 10) -> None:
+        """`docker stop` as a user runs it: SIGTERM, then SIGKILL after timeout_s."""
+        _docker(self.docker, "stop", "-t", str(timeout_s), self.cid, timeout=timeout_s + 60)
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -53,12 +72,12 @@ class ServedContainer:
             if not state["Running"]:
                 raise RuntimeError(f"container exited ({state}): {self.logs()[-3000:]}")
             try:
-                if request(self.port, "GET", "/health", timeout=5)[0] == 200:
+                if request(self.port, "GET", "/ready", timeout=5)[0] == 200:  # /health: already while loading
                     return
             except OSError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"/health not 200 within {timeout_s}s: {self.logs()[-3000:]}")
+        raise RuntimeError(f"/ready not 200 within {timeout_s}s: {self.logs()[-3000:]}")
 
     def state(self) -> dict:
         return json.loads(_docker(self.docker, "inspect", "--format", "{{json .State}}", self.cid))

@@ -46,12 +46,12 @@ def wait_healthy(docker_cli, name: str, base: str) -> None:
             logs = run_docker(["logs", name], docker=docker_cli, check=False).stdout
             pytest.fail(f"the container exited ({state['ExitCode']}) before answering /health:\n{logs[-1500:]}")
         try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+            if requests.get(f"{base}/ready", timeout=2).status_code == 200:  # /health: already while loading
                 return
         except requests.RequestException:
             pass
         time.sleep(0.5)
-    pytest.fail(f"/health did not answer 200 within {START_TIMEOUT_S}s")
+    pytest.fail(f"/ready did not answer 200 within {START_TIMEOUT_S}s")
 
 
 def embed(base: str, texts: list[str]) -> requests.Response:

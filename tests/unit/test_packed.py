@@ -181,10 +181,8 @@ def test_a_compiled_packed_engine_matches_its_reference_within_its_budget(packed
 def test_the_server_batches_a_packed_engine_by_its_token_budget(packed_engine):
     """serve's worker process (the images' default) in front of the packed engine: the batcher takes
     the engine's budget, /info says so, and embeddings over several calls match the reference."""
-    import threading
     import urllib.request
 
-    from builder.runtime.server import make_server
     from builder.runtime.service import EmbeddingService, ServerLimits
     from builder.runtime.worker import EngineProcess
 
@@ -195,9 +193,10 @@ def test_the_server_batches_a_packed_engine_by_its_token_budget(packed_engine):
     larger = EmbeddingService(engine, ServerLimits(max_batch_tokens=10_000))
     larger.batcher.close()  # not larger.close(): that closes the shared engine too
     assert larger.max_batch_tokens == 96  # a larger budget would only be cut again by the engine
-    httpd = make_server(service, "127.0.0.1", 0)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    from tests.serving import Running
+
+    running = Running(service)
+    url = f"http://127.0.0.1:{running.port}"
     try:
         info = json.loads(urllib.request.urlopen(url + "/info", timeout=60).read())
         assert info["input_form"] == "packed" and info["limits"]["max_batch_tokens"] == 96
@@ -210,9 +209,7 @@ def test_the_server_batches_a_packed_engine_by_its_token_budget(packed_engine):
             got = item["embedding"]
             assert sum(a * b for a, b in zip(got, want, strict=True)) / math.hypot(*got) / math.hypot(*want) >= 0.9999
     finally:
-        httpd.shutdown()
-        httpd.server_close()
-        service.close()
+        running.stop()  # closes the service and its engine
         engine.close()
 
 

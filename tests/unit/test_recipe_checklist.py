@@ -25,7 +25,6 @@ engine:
   max_seq_len: 128
   precision: bf16
   cpu_precision: fp32
-  shapes: dynamic
 serve:
   command: [python, -m, mopt_runtime, serve, --engine-dir, /opt/mopt/engine, --port, "8000"]
   port: 8000
@@ -67,6 +66,8 @@ def test_an_image_added_by_the_checklist_plans_and_renders(tmp_path):
     _mopt("render", "--select", "bge-small:*", "--out", "r", cwd=tmp_path)
     out = tmp_path / "r" / "bge-small" / "cpu"
     compile_sh = (out / "compile.sh").read_text()
-    assert "--pooling cls" in compile_sh and "--max-batch 16" in compile_sh and "--min-cosine 0.995" in compile_sh
+    params = json.loads((out / "params.json").read_text())  # the engine parameters (builder/runtime/params.py)
+    assert (params["pooling"], params["max_batch"], params["max_seq_len"]) == ("cls", 16, 128)
+    assert "--params /mopt/inputs/params.json" in compile_sh and "--min-cosine 0.995" in compile_sh
     final = (out / "Dockerfile.final").read_text()
     assert 'org.opencontainers.image.licenses="mit"' in final and "mopt/bge-small" in final

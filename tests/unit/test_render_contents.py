@@ -111,7 +111,8 @@ def test_manifest_contents(planned, tmp_path):
     assert base["key"] == sha256_text("base", rendered.files["Dockerfile.base"])
     assert runtime["key"] == sha256_text("runtime", base["key"], rendered.files["Dockerfile.runtime"], DIGEST)
     assert compile_["key"] == sha256_text("compile", runtime["key"], rendered.files["compile.sh"],
-                                          rendered.files["image-info.json"], rendered.files["smoke-inputs.json"])
+                                          rendered.files["params.json"], rendered.files["image-info.json"],
+                                          rendered.files["smoke-inputs.json"])
     assert final["key"] == sha256_text("final", compile_["key"], rendered.files["Dockerfile.final"])
     cpu = render_variant(matrix, _variant(variants, "minilm-embed:cpu"), tmp_path / "t", DIGEST).manifest
     assert cpu["stages"][2]["gpu"] is False
@@ -207,7 +208,7 @@ def test_missing_templates_directory(planned, tmp_path):
 
 # ------------------------------------------------------------------------------ render() on disk
 
-def test_runtime_digest_covers_the_runtime_python_files(planned, tmp_path, monkeypatch):
+def test_runtime_digest_covers_every_file_the_runtime_stage_copies(planned, tmp_path, monkeypatch):
     matrix, variants = planned
     runtime = tmp_path / "runtime"
     runtime.mkdir()
@@ -221,11 +222,12 @@ def test_runtime_digest_covers_the_runtime_python_files(planned, tmp_path, monke
         return json.loads((directory / "manifest.json").read_text())["context"]["mopt_runtime"]
 
     first = digest()
-    assert first == tree_digest(runtime, "**/*.py") != tree_digest(runtime)
-    (runtime / "README.md").write_text("other notes\n")
-    assert digest() == first
+    assert first == tree_digest(runtime) != tree_digest(runtime, "**/*.py")
+    (runtime / "README.md").write_text("other notes\n")  # data the stage copies: a new key
+    second = digest()
+    assert second != first
     (runtime / "server.py").write_text("print('bye')\n")
-    assert digest() != first
+    assert digest() not in (first, second)
 
 
 def test_selection_without_all_variants_knows_its_own_tags(planned, tmp_path):
@@ -245,7 +247,7 @@ def test_rerender_into_the_same_directory(planned, tmp_path):
     (directory,) = render(matrix, (variant,), tmp_path / "out", templates)
     names = sorted(p.name for p in directory.iterdir())
     assert names == ["Dockerfile.base", "Dockerfile.final", "Dockerfile.runtime", "compile.sh", "image-info.json",
-                     "manifest.json", "smoke-inputs.json"]
+                     "manifest.json", "params.json", "smoke-inputs.json"]
     original = (directory / "Dockerfile.final").read_text()
     (directory / "Dockerfile.final").write_text("tampered\n")
     old = 1_000_000_000

@@ -73,6 +73,9 @@ def test_healthcheck_reads_the_port_when_it_runs(rendered, variant_id):
     argv = json.loads(check.split(" CMD ", 1)[1])
     assert argv[:2] == ["python", "-c"]
     assert "os.environ.get('MOPT_PORT'" in argv[2] and ":8000/" not in argv[2]
+    # healthy = the engine has loaded (mopt's /ready); TensorRT-LLM's own server has /health only
+    path = "/health" if variant_id.endswith("-trtllm") else "/ready"
+    assert f"+ '{path}', timeout=4)" in argv[2]
 
 
 @pytest.mark.parametrize("variant_id", VARIANTS)

@@ -11,6 +11,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -88,8 +89,10 @@ def make():
 
     def factory(engine_kw=None, **limits) -> EmbeddingService:
         engine = FakeEngine(**(engine_kw or {}))
+        # engine_depth 1: these tests hold the scheduling of one engine call after another (the pipelined
+        # depth of the server has its own tests in test_batcher.py).
         svc = EmbeddingService(engine, ServerLimits(**{"max_batch": 8, "max_wait_ms": 1, "max_inputs": 8,
-                                                       **limits}))
+                                                       "engine_depth": 1, **limits}))
         made.append(svc)
         return svc
 
@@ -448,7 +451,8 @@ def test_embed_requires_inputs(make):
 
 def test_models_is_openais_list(make):
     assert make().models() == {"object": "list", "data": [
-        {"id": "fake-model", "object": "model", "created": 0, "owned_by": "mopt", "max_model_len": 16}]}
+        {"id": "fake-model", "object": "model", "created": 0, "owned_by": "mopt", "max_model_len": 16,
+         "root": "fake-model"}]}
 
 
 def test_info(make):
@@ -571,6 +575,8 @@ def test_a_broken_pipe_to_the_worker_waits_for_it_to_be_reaped():
 
     engine = object.__new__(EngineProcess)
     engine._conn, engine._proc = Conn(), Proc()
+    engine._pending, engine._send_lock, engine._receiver, engine._broken = deque(), threading.Lock(), None, None
+    engine.info = {"embedding_dim": 4}
     with pytest.raises(RuntimeError, match=r"exit code -9"):
         engine.embed_ids([[1]])
     assert engine.alive() is False
@@ -759,5 +765,6 @@ def test_compile_flag_for_matryoshka():
     from builder.runtime.__main__ import build_parser
 
     base = ["compile", "--model", "m", "--out", "o"]
-    assert build_parser().parse_args(base).matryoshka_min_dim is None
+    # not given: absent, so the contract's default (None) applies (builder/runtime/params.py)
+    assert not hasattr(build_parser().parse_args(base), "matryoshka_min_dim")
     assert build_parser().parse_args([*base, "--matryoshka-min-dim", "32"]).matryoshka_min_dim == 32

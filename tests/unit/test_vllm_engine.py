@@ -4,10 +4,8 @@ writable mirror of a read-only compile cache, and the worker's exit when that ch
 vLLM server behind mopt's runs in tests/integration/test_vllm_cpu.py."""
 from __future__ import annotations
 
-import base64
 import json
 import os
-import struct
 import sys
 import textwrap
 import threading
@@ -260,14 +258,41 @@ def test_worker_closes_its_engine_when_told_to_stop(fake_worker_engine):
     assert not thread.is_alive() and run.closed
 
 
-def test_base64_rows_decode_to_float32():
-    vec = [0.5, -1.25, 3.0]
-    encoded = base64.b64encode(struct.pack("<3f", *vec)).decode()
-    from array import array
+def test_token_ids_go_to_vllm_as_they_are_and_come_back_float32(stub_server):
+    server = stub_server()
+    out = server.embed_ids([[5, 6, 7], [9]])
+    assert str(out.dtype) == "torch.float32" and out.tolist() == [[3.0, 5.0], [1.0, 9.0]]
 
-    flat = array("f")
-    flat.frombytes(base64.b64decode(encoded))
-    assert flat.tolist() == vec
+
+class _Direct:
+    """A backend that takes unpadded sequences itself (what vllm_backend.Server is to Engine)."""
+
+    def __init__(self):
+        self.calls: list[list[list[int]]] = []
+
+    def embed_ids(self, seqs):
+        import torch
+
+        self.calls.append(seqs)
+        return torch.tensor([[float(len(s)), float(s[0])] for s in seqs])
+
+    def __call__(self, input_ids, attention_mask):
+        raise AssertionError("the padded call is not used")
+
+
+def test_the_engine_hands_vllm_the_sequences_without_padding():
+    run = _Direct()
+    engine = Engine(params(), encoder=None, run=run, info={"embedding_dim": 2})
+    assert engine.embed_tensor([[5, 6, 7], [9]]).tolist() == [[3.0, 5.0], [1.0, 9.0]]
+    assert run.calls == [[[5, 6, 7], [9]]]  # one call, in the request's order, nothing padded
+    assert engine.embed_tensor([]).shape == (0, 2) and len(run.calls) == 1  # an empty call never reaches vLLM
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.embed_tensor([[1] * 17])
+
+
+def test_only_an_engine_that_batches_calls_itself_is_called_concurrently():
+    assert Engine(params(), encoder=None, run=_Direct(), info={}).concurrent_calls is True
+    assert Engine(params(backend="torch-aot"), encoder=None, run=_Direct(), info={}).concurrent_calls is False
 
 
 def test_writable_mirror_at_a_given_dir(tmp_path):

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 import urllib.request
-from array import array
 from pathlib import Path
 
 from ..cachemirror import writable_mirror
@@ -173,27 +172,33 @@ class Server:
     def __call__(self, input_ids, attention_mask):
         """The engine call (backends.EngineCall): padded token ids -> float32 [batch, dim]; vLLM gets
         each row without its padding."""
-        import torch
-
         seqs = [[int(t) for t, m in zip(row, mask, strict=True) if m]
                 for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]
-        return torch.tensor(self.embed(seqs), dtype=torch.float32)
+        return self.embed_ids(seqs)
+
+    def embed_ids(self, seqs: list[list[int]]):
+        """Token-id sequences as they are (Engine.embed_tensor calls this directly) -> float32 [n, dim]."""
+        import torch
+
+        return torch.from_numpy(self._vectors(seqs))
 
     def embed(self, inputs: list) -> list[list[float]]:
-        """inputs: strings or lists of token ids (the OpenAI API takes both). Vectors come back as
-        base64 float32 (a tenth of JSON's parse time for 1024-dim rows)."""
+        """inputs: strings or lists of token ids (the OpenAI API takes both)."""
+        return self._vectors(inputs).tolist()
+
+    def _vectors(self, inputs: list):
+        """float32 [len(inputs), dim]. Vectors come back as base64 float32 (a tenth of JSON's parse time
+        for 1024-dim rows)."""
+        import numpy as np
+
         # No "model": vLLM then uses the one it serves.
         body = json.dumps({"input": inputs, "encoding_format": "base64"}).encode()
         status, payload = self._post("/v1/embeddings", body)
         if status != 200:
             raise RuntimeError(f"vLLM's server answered {status}: {payload[:300]!r}")
         data = sorted(json.loads(payload)["data"], key=lambda d: d["index"])
-        vectors = []
-        for item in data:
-            flat = array("f")
-            flat.frombytes(base64.b64decode(item["embedding"]))
-            vectors.append(flat.tolist())
-        return vectors
+        return np.stack([np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in data]
+                        ).astype(np.float32, copy=False)
 
     def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
         import http.client

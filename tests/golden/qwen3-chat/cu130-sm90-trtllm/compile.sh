@@ -2,17 +2,12 @@
 # Stage compile for qwen3-chat:cu130-sm90-trtllm: runs inside a container created from the exact runtime image
 # digest, with the target GPU (sm_90). mopt build mounts the model at
 # /opt/mopt/model (read-only, where the final image keeps it), this directory's inputs at /mopt/inputs and the output at /mopt/out.
+# The engine parameters are params.json beside this script (builder/runtime/params.py, the one contract).
 set -eu
 exec python -m mopt_runtime compile \
-  --backend tensorrt-llm \
-  --device cuda \
+  --params /mopt/inputs/params.json \
   --model /opt/mopt/model \
   --out /mopt/out \
-  --precision bf16 \
-  --max-batch 16 \
-  --max-seq-len 2048 \
-  --pooling last \
-  --no-normalize \
   --target-sm 90 \
   --no-verify \
   --image-info /mopt/inputs/image-info.json \

@@ -2,29 +2,13 @@
 # Stage compile for qwen3-embed:cu121-sm86: runs inside a container created from the exact runtime image
 # digest, with the target GPU (sm_86). mopt build mounts the model at
 # /opt/mopt/model (read-only, where the final image keeps it), this directory's inputs at /mopt/inputs and the output at /mopt/out.
+# The engine parameters are params.json beside this script (builder/runtime/params.py, the one contract).
 set -eu
 exec python -m mopt_runtime compile \
-  --backend tensorrt \
-  --device cuda \
+  --params /mopt/inputs/params.json \
   --model /opt/mopt/model \
   --out /mopt/out \
-  --precision bf16 \
-  --max-batch 64 \
-  --max-seq-len 512 \
-  --pooling last \
-  --normalize \
-  --instruction 'Given a web search query, retrieve relevant passages that answer the query' \
-  --matryoshka-min-dim 32 \
   --target-sm 86 \
   --min-cosine 0.99 \
-  --trt-min-batch 1 \
-  --trt-opt-batch 16 \
-  --trt-min-seq-len 2 \
-  --trt-opt-seq-len 128 \
-  --trt-opset 17 \
-  --trt-hardware-compatibility none \
-  --no-trt-version-compatible \
-  --trt-timing-cache \
-  --trt-workspace-mib 4096 \
   --image-info /mopt/inputs/image-info.json \
   --reference-texts /mopt/inputs/smoke-inputs.json
