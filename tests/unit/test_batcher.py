@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -655,3 +655,42 @@ def test_an_engine_that_batches_calls_itself_gets_the_calls_in_flight_at_once(co
     finally:
         release.set()
         batcher.close(timeout=WAIT)
+
+
+def test_a_submit_that_raises_fails_its_batch_and_the_batcher_goes_on():
+    """A custom submit (the worker pipe) that raises is a failed call: its requests get the error, the
+    next request is served."""
+    sent: list[list] = []
+
+    def submit(seqs):
+        sent.append(list(seqs))
+        if len(sent) == 1:
+            raise BrokenPipeError("engine pipe closed")
+        done = Future()
+        done.set_result([vec(s) for s in seqs])
+        return done
+
+    batcher = Batcher(None, 4, 0, submit=submit, depth=1)
+    try:
+        with pytest.raises(BrokenPipeError, match="^engine pipe closed$"):
+            batcher.submit([[7]]).result(WAIT)
+        assert batcher.submit([[8]]).result(WAIT) == [vec([8])]
+        assert sent == [[[7]], [[8]]]
+    finally:
+        batcher.close(timeout=WAIT)
+
+
+def test_fail_queued_fails_the_waiting_jobs_and_counts_them(make):
+    """The watchdog's verdict on a dead engine: every queued job gets the error at once; the call
+    already in the engine is left to finish."""
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=1, max_wait_ms=5000)
+    blocker = busy(batcher, engine, 1)
+    queued = [batcher.submit([[i]]) for i in (1, 2)]
+    gone = RuntimeError("engine died")
+    assert batcher.fail_queued(gone) == 2
+    for fut in queued:
+        assert fut.exception(WAIT) is gone
+    assert batcher._queued_tokens == 0 and batcher.fail_queued(gone) == 0
+    engine.release.set()
+    assert blocker.result(WAIT) == [vec([1000])]
