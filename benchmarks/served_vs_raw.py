@@ -29,6 +29,7 @@ import random
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def parse_args(argv=None):
                    "runtime with other flags, each timed on every case")
     p.add_argument("--old-runtime", default=None, help="a checkout whose builder/runtime is also served")
     p.add_argument("--port", type=int, default=18090)
+    p.add_argument("--latency", action="store_true", help="also time single engine calls with and without "
+                   "CUDA graphs (in-process)")
     return p.parse_args(argv)
 
 
@@ -102,6 +105,42 @@ def workload(engine_dir: Path, n: int) -> tuple[list[str], list[int]]:
         texts.append(" ".join(rng.choice(WORDS) for _ in range(target)))
     lengths = [len(ids) for ids in enc.encode(texts)]
     return texts, lengths
+
+
+def call_latency(engine_dir: Path, texts: list[str]) -> dict:
+    """One engine call's time (median of 20, in-process) at a few call sizes, with the CUDA graphs and
+    without: what a graph saves per call."""
+    import statistics
+
+    from builder.runtime import cudagraphs
+    from builder.runtime.engine import Engine
+
+    out = {}
+    for graphs in ("1", "0"):
+        os.environ[cudagraphs.ENV] = graphs
+        t = time.perf_counter()
+        eng = Engine.open(engine_dir)
+        row = {"load_s": round(time.perf_counter() - t, 2), "graphed": bool(getattr(eng.run, "cuda_graphs", False))}
+        seqs = eng.encoder.encode(texts[:64])
+        for n in (1, 8, 16, 32, 64):
+            times = []
+            for _ in range(22):
+                t = time.perf_counter()
+                eng.embed_tensor(seqs[:n])
+                times.append(time.perf_counter() - t)
+            row[f"{n}_texts_ms"] = round(statistics.median(times[2:]) * 1000, 3)
+        if graphs == "1":
+            reference = eng.embed_tensor(seqs)
+        else:
+            got = eng.embed_tensor(seqs)
+            import torch
+
+            row["cosine_vs_graphed_min"] = round(float(torch.nn.functional.cosine_similarity(got, reference).min()), 6)
+        eng.close()
+        out["graphs" if graphs == "1" else "direct"] = row
+        print(json.dumps({"latency": out}), flush=True)
+    os.environ.pop(cudagraphs.ENV, None)
+    return out
 
 
 def raw_engine(engine_dir: Path, texts: list[str]) -> dict:
@@ -228,9 +267,14 @@ def serve(engine_dir: Path, port: int, extra: list[str], pythonpath: str | None)
     while time.monotonic() - t0 < 600:
         if proc.poll() is not None:
             raise SystemExit(f"serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+        try:  # /ready: /health answers 200 while the engine loads (an older runtime has no /ready: 404)
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).read()
             return proc, round(time.monotonic() - t0, 1)
+        except urllib.error.HTTPError as err:
+            if err.code == 404:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                return proc, round(time.monotonic() - t0, 1)
+            time.sleep(0.3)
         except OSError:
             time.sleep(0.3)
     proc.kill()
@@ -263,6 +307,8 @@ def main(argv=None) -> int:
                           if torch.cuda.is_available() else None, "cpus": os.cpu_count()}
     except ImportError:
         pass
+    if a.latency:
+        res["call_latency"] = call_latency(engine_dir, texts)
     res["raw"] = raw_engine(engine_dir, texts)
     print(json.dumps(res["raw"]), flush=True)
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",") if c]

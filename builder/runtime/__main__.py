@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     _env_argument(s, "serve", "--engine-process", "MOPT_ENGINE_PROCESS", action=argparse.BooleanOptionalAction,
                   default=True, help="run the engine in a worker process, apart from the HTTP threads (no shared GIL); "
                                          "vLLM's forward passes run in its own process already")
+    _env_argument(s, "serve", "--cuda-graphs", "MOPT_CUDA_GRAPHS", action=argparse.BooleanOptionalAction,
+                  default=True, help="replay a packed GPU engine's small calls from CUDA graphs captured at start "
+                                     "(fewer kernel launches per call; a probe checks them against the engine)")
     _env_argument(s, "serve", "--served-model-name", "MOPT_SERVED_MODEL_NAME", type=_model_names, default=None,
                   help="the model's name in responses and /v1/models, with aliases after commas (as vLLM's "
                        "flag): 'name,alias'; a request naming an alias is answered with it (default: the "
@@ -319,6 +322,7 @@ def cmd_serve(a) -> int:
         raise UsageError("--engine-stall-timeout must be > 0")
     if limits.max_batch < 1 or limits.max_inputs < 1:
         raise UsageError("--max-batch and --max-inputs must be >= 1")
+    os.environ["MOPT_CUDA_GRAPHS"] = "1" if a.cuda_graphs else "0"  # read where the engine loads (the worker too)
     metrics = Metrics()
     # The server listens while the engine loads: /health says "loading", /ready 503 until it is done.
     if a.engine_process and not backend_info(info["backend"]).concurrent_calls:
