@@ -84,13 +84,21 @@ class _Graph:
 
 class GraphedPackedRunner:
     """runner(input_ids, seq_lengths, max_len) on the GPU -> [sequences, dim] on the GPU, with the small
-    calls replayed from CUDA graphs. Calls come one at a time (the engine's one thread)."""
+    calls replayed from CUDA graphs. Calls come one at a time (the engine's one thread).
 
-    def __init__(self, runner, max_batch: int, batch_tokens: int, max_seq_len: int, device: str = "cuda"):
+    The graphs are captured from a model container of their own (open_runner(instances)), one model
+    instance per graph: AOTInductor's container records an event at the end of each run and queries it
+    before the instance runs again, and an event recorded during a capture is no real event. Each
+    instance runs once, in its capture, and never again; the direct runner (another container) warms
+    each shape up first and runs every call that fits no graph. The weights are held twice on the GPU."""
+
+    def __init__(self, runner, open_runner, max_batch: int, batch_tokens: int, max_seq_len: int,
+                 device: str = "cuda"):
         self.runner = runner
         self.device = device
         self.longest = max_seq_len
         self.shapes = graph_shapes(max_batch, batch_tokens)
+        capture = open_runner(len(self.shapes)) if self.shapes else None
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.max_len = torch.zeros(max_seq_len, dtype=torch.int8, device=device)
         pool = torch.cuda.graph_pool_handle()
@@ -109,7 +117,7 @@ class GraphedPackedRunner:
             # relaxed: AOTInductor's model container queries its last run's event before a run, which
             # the global mode refuses while any stream captures.
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="relaxed"):
-                out = runner(ids, lengths, self.max_len)
+                out = capture(ids, lengths, self.max_len)
             self.graphs[shape] = _Graph(graph, ids, lengths, out)
         torch.cuda.synchronize(device)
 
@@ -140,15 +148,16 @@ class GraphedPackedRunner:
         return worst
 
 
-def graphed(runner, params, vocab: int):
-    """The runner with CUDA graphs where they apply and agree with it; else the runner as it is."""
+def graphed(runner, params, vocab: int, open_runner):
+    """The runner with CUDA graphs where they apply and agree with it; else the runner as it is.
+    open_runner(instances): another model container of the engine, for the captures."""
     from .packed import gathers_attention
 
     if not (params.packed and params.device == "cuda" and not gathers_attention(params.device, params.precision)
             and wanted()):
         return runner
     try:
-        graphs = GraphedPackedRunner(runner, params.max_batch, params.batch_tokens, params.max_seq_len)
+        graphs = GraphedPackedRunner(runner, open_runner, params.max_batch, params.batch_tokens, params.max_seq_len)
         worst = graphs.probe(vocab)
     except Exception as exc:  # noqa: BLE001  (graphs are a speed-up: without them the engine still serves)
         log.warning("CUDA graphs off: capturing the engine failed (%s: %s)", type(exc).__name__, exc)

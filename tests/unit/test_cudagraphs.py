@@ -93,10 +93,10 @@ def test_graphs_are_for_flash_engines_on_the_gpu_and_can_be_turned_off(monkeypat
     for params in (EngineParams(max_batch=8, max_seq_len=64, input_form="packed", device="cpu"),
                    EngineParams(max_batch=8, max_seq_len=64, input_form="packed", device="cuda", precision="fp32"),
                    EngineParams(max_batch=8, max_seq_len=64, device="cuda", precision="bf16")):
-        assert cudagraphs.graphed(runner, params, 100) is runner
+        assert cudagraphs.graphed(runner, params, 100, None) is runner
     flash = EngineParams(max_batch=8, max_seq_len=64, input_form="packed", device="cuda", precision="bf16")
     monkeypatch.setenv(cudagraphs.ENV, "0")
-    assert cudagraphs.graphed(runner, flash, 100) is runner
+    assert cudagraphs.graphed(runner, flash, 100, None) is runner
     for value, on in [("1", True), ("", True), ("off", False), ("no", False), ("False", False)]:
         monkeypatch.setenv(cudagraphs.ENV, value)
         assert cudagraphs.wanted() is on
@@ -113,5 +113,5 @@ def test_a_failed_capture_leaves_the_engine_without_graphs(monkeypatch, caplog):
     monkeypatch.setattr(cudagraphs.torch.cuda, "synchronize", lambda *a: None)
     runner = object()
     with caplog.at_level("WARNING", logger="builder.runtime.cudagraphs"):
-        assert cudagraphs.graphed(runner, flash, 100) is runner
+        assert cudagraphs.graphed(runner, flash, 100, None) is runner
     assert "CUDA graphs off: capturing the engine failed (RuntimeError: operation not permitted" in caplog.text

@@ -117,7 +117,10 @@ def check_loads_fresh(engine_dir: Path, params: EngineParams) -> None:
     if proc.returncode == 0 and "LOADED" in proc.stdout:
         return
     how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited {proc.returncode}"
-    detail = proc.stderr.strip().splitlines()[-1:] if proc.returncode > 0 else []
+    # The last line is the Python error; AOTInductor's runner says what failed in the lines before it.
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    cause = [line for line in lines[-12:-1] if "error" in line.lower()][-2:]
+    detail = [" | ".join([*cause, lines[-1]])] if proc.returncode > 0 and lines else []
     libraries = sorted((engine_dir / UNPACKED).glob("*.so"))
     raise RuntimeError(f"the compiled library {libraries[0].name if libraries else '(none)'} does not load: a "
                        f"fresh process loading it {how}{': ' + detail[0] if detail else ''}"
@@ -138,7 +141,7 @@ def cxx_runtime_hint(so: Path) -> str:
             "the system's g++ (the one whose libstdc++ this process uses) and compile again")
 
 
-def _package_runner(path: str):
+def _package_runner(path: str, models: int = 1):
     """torch's C++ package loader, called directly: torch._inductor's public wrapper would import
     Dynamo and the compiler first (seconds of a start). The wrapper where this torch lacks the class."""
     loader_cls = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
@@ -147,16 +150,16 @@ def _package_runner(path: str):
 
         runner = aoti_load_package(path)
         return lambda *inputs: runner(*inputs)
-    loader = loader_cls(path, "model", False, 1, -1)  # path, model name, single-threaded, runners, device index
+    loader = loader_cls(path, "model", False, models, -1)  # path, model name, single-threaded, runners, device index
     return lambda *inputs: loader.run(list(inputs))[0]
 
 
-def _library_runner(unpacked: Path, device: str):
+def _library_runner(unpacked: Path, device: str, models: int = 1):
     """torch's model container runner on the unpacked .so: dlopen in place, nothing written. The CUDA
     runner finds the kernel binaries (cubin_dir) next to the .so, where the package loader put them."""
     (so,) = sorted(unpacked.glob("*.so"))  # the compile step checked there is exactly one
     if device == "cuda":
-        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(so), 1, "cuda", str(unpacked))
+        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(so), models, "cuda", str(unpacked))
     else:
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
     return lambda *inputs: runner.run(list(inputs))[0]
@@ -164,10 +167,15 @@ def _library_runner(unpacked: Path, device: str):
 
 def load(engine_dir: str | Path, params: EngineParams):
     engine_dir = Path(engine_dir)
-    if (engine_dir / UNPACKED).is_dir():
-        runner = _library_runner(engine_dir / UNPACKED, params.device)
-    else:  # an engine compiled before the unpacking: the package loader unpacks into TMPDIR at start
-        runner = _package_runner(str(engine_dir / PACKAGE))
+
+    def open_runner(models: int = 1):
+        """A model container of MODELS instances: the weights once, each instance its own run state."""
+        if (engine_dir / UNPACKED).is_dir():
+            return _library_runner(engine_dir / UNPACKED, params.device, models)
+        # an engine compiled before the unpacking: the package loader unpacks into TMPDIR at start
+        return _package_runner(str(engine_dir / PACKAGE), models)
+
+    runner = open_runner()
     device = params.device
 
     def direct(*inputs: torch.Tensor) -> torch.Tensor:  # (ids, mask), or packed (ids, seq_lengths, max_len)
@@ -178,7 +186,7 @@ def load(engine_dir: str | Path, params: EngineParams):
         from ..cudagraphs import graphed
 
         with torch.no_grad():
-            call = graphed(direct, params, vocab=PROBE_VOCAB)
+            call = graphed(direct, params, PROBE_VOCAB, open_runner)
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
