@@ -59,6 +59,8 @@ def parse_args(argv=None):
                    "runtime with other flags, each timed on every case")
     p.add_argument("--old-runtime", default=None, help="a checkout whose builder/runtime is also served")
     p.add_argument("--port", type=int, default=18090)
+    p.add_argument("--compile-graphs", default=None, help="MOPT_CUDA_GRAPHS for the compile step (its "
+                   "fresh-process load check)")
     p.add_argument("--latency", action="store_true", help="also time single engine calls with and without "
                    "CUDA graphs (in-process)")
     return p.parse_args(argv)
@@ -83,7 +85,8 @@ def make_engine(a, work: Path) -> Path:
             "--max-batch", "64", "--max-batch-tokens", str(64 * 512), "--pooling", "last", "--normalize",
             "--input", "packed"]
     t = time.monotonic()
-    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **({"MOPT_CUDA_GRAPHS": a.compile_graphs} if a.compile_graphs else {})})
     if proc.returncode != 0:
         raise SystemExit(f"compile failed:\n{proc.stderr[-3000:]}")
     print(f"compiled in {time.monotonic() - t:.0f}s", flush=True)
