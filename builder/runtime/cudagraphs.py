@@ -98,7 +98,8 @@ class GraphedPackedRunner:
         self.device = device
         self.longest = max_seq_len
         self.shapes = graph_shapes(max_batch, batch_tokens)
-        capture = open_runner(len(self.shapes)) if self.shapes else None
+        # Held for the graphs' life: they replay its kernels on its weights (freed with it).
+        self.capture = capture = open_runner(len(self.shapes)) if self.shapes else None
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.max_len = torch.zeros(max_seq_len, dtype=torch.int8, device=device)
         pool = torch.cuda.graph_pool_handle()
