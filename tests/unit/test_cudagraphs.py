@@ -18,7 +18,7 @@ SHAPES = graph_shapes(64, 32768)
 
 
 def test_the_captured_shapes_stay_within_the_engines_limits():
-    assert (128, 2) in SHAPES and (4096, 64) in SHAPES and len(SHAPES) == 60
+    assert (128, 2) in SHAPES and (2048, 64) in SHAPES and len(SHAPES) == 48 and max(SHAPES)[0] == 2048
     assert graph_shapes(16, 1024) == [(t, n) for t in (128, 256, 384, 512, 768, 1024) for n in (2, 4, 8, 16)]
     assert graph_shapes(1, 100) == []
 
@@ -40,12 +40,13 @@ def test_a_call_fits_a_shape_when_its_padding_makes_valid_sequences(tokens, sequ
 
 @pytest.mark.parametrize("tokens, sequences, want", [
     (1, 1, (128, 2)), (100, 3, (128, 4)), (128, 2, (128, 2)), (129, 2, (256, 4)), (2000, 20, (2048, 32)),
-    (3000, 31, (3072, 32)), (3000, 32, (3072, 64)), (4096, 64, (4096, 64)), (4097, 1, None), (10, 64, None),
+    (2048, 64, (2048, 64)), (2049, 1, None), (3000, 31, None), (10, 64, None),
     (1030, 63, (1536, 64)),  # 506 padding tokens in the one spare sequence
-    (3073, 31, (4096, 64)),  # 1,023 padding tokens do not fit one spare sequence of (4096, 32)
-    (3073, 63, None),        # nor the one of (4096, 64)
+    (1537, 63, (2048, 64)),  # 511 padding tokens in the one spare sequence
+    (1000, 64, None),        # a full call has no spare sequence for its padding
 ])
 def test_pick_takes_the_smallest_shape_that_fits(tokens, sequences, want):
+    assert pick(1025, 31, SHAPES, longest=256) == (1536, 64)  # 511 tokens fit 33 padding sequences of <= 256, not one
     got = pick(tokens, sequences, SHAPES, longest=512)
     assert got == want
     if got is not None:
