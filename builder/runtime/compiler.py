@@ -14,6 +14,7 @@ from pathlib import Path
 from . import fingerprint
 from .backends import get_backend
 from .errors import CompileError, RuntimeToolError, UsageError
+from .families import model_family
 from .hostinfo import host_facts
 from .params import EngineParams
 from .tokenization import copy_tokenizer_files
@@ -36,6 +37,7 @@ def _check_inputs(model_dir: Path, params: EngineParams, target_sm: str | None, 
         raise UsageError(f"--model {model_dir}: no config.json there (expected a Hugging Face model dir)")
     if not (model_dir / "tokenizer.json").is_file():
         raise UsageError(f"--model {model_dir}: no tokenizer.json there (a fast tokenizer is required)")
+    model_family(model_dir, packed=params.packed)  # an unknown architecture: refused before any weights load
     if params.device == "cpu" and target_sm:
         raise UsageError("--target-sm applies to --device cuda only")
     if params.device == "cuda":

@@ -63,7 +63,7 @@ class Pack:
         self.tokens = tokens
         self.longest = max_len.shape[0]
         self.max_len = max_len
-        self._masks: dict[bool, torch.Tensor] = {}
+        self._masks: dict[tuple[bool, int | None], torch.Tensor] = {}
 
     @cached_property
     def cu_seqlens(self) -> torch.Tensor:
@@ -83,16 +83,19 @@ class Pack:
         """[tokens]: each token's row in the [sequences * longest] block, in stream order."""
         return self.segment * self.longest + self.positions
 
-    def block_mask(self, causal: bool) -> torch.Tensor:
-        """SDPA's boolean mask over the block: real keys only, and no later position when causal."""
-        if causal not in self._masks:
+    def block_mask(self, causal: bool, reach: int | None = None) -> torch.Tensor:
+        """SDPA's boolean mask over the block: real keys only, no later position when causal, and no key
+        more than REACH positions away (a layer's window; None: no window)."""
+        if (causal, reach) not in self._masks:
             valid, _ = self.block_rows
             mask = valid[:, None, None, :]
+            offsets = torch.arange(self.longest, device=valid.device)
             if causal:
-                offsets = torch.arange(self.longest, device=valid.device)
                 mask = mask & (offsets[None, :] <= offsets[:, None])[None, None]
-            self._masks[causal] = mask
-        return self._masks[causal]
+            if reach is not None:
+                mask = mask & ((offsets[None, :] - offsets[:, None]).abs() <= reach)[None, None]
+            self._masks[(causal, reach)] = mask
+        return self._masks[(causal, reach)]
 
 
 def _pack_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -100,16 +103,17 @@ def _pack_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     # query [1, heads, tokens, dim]; key/value [1, kv_heads, tokens, dim]. Returns [1, tokens, heads, dim].
     pack: Pack = kwargs["mopt_pack"]
     causal = bool(getattr(module, "is_causal", False))
+    reach = window_reach(kwargs.get("sliding_window"))
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     if q.is_cuda and q.dtype in _FLASH_DTYPES:
-        mixed = partial(_flash_attention, causal=causal, scaling=scaling)
+        mixed = partial(_flash_attention, causal=causal, scaling=scaling, reach=reach)
         operands = (q, k, v, pack.rows, pack.cu_seqlens, pack.max_len)
     else:
         mixed = partial(_gathered_attention, causal=causal, scaling=scaling)
-        operands = (q, k, v, pack.rows, pack.block_rows[1], pack.block_mask(causal), pack.stream_rows)
+        operands = (q, k, v, pack.rows, pack.block_rows[1], pack.block_mask(causal, reach), pack.stream_rows)
     if not pack.dense:
         return mixed(*operands).flatten(0, 1).unsqueeze(0), None
-    dense = partial(_dense_attention, causal=causal, scaling=scaling)
+    dense = partial(_dense_attention, causal=causal, scaling=scaling, reach=reach)
     # Both branches return [rows, row_len, heads, dim], densely strided, as cond requires. Run eagerly
     # the rows are a number and the branch is called; traced they are a symbol and the graph keeps both.
     uniform = pack.rows.shape[0] > 1
@@ -118,24 +122,38 @@ def _pack_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.flatten(0, 1).unsqueeze(0), None
 
 
-def _dense_attention(q, k, v, rows, *_, causal: bool, scaling):
+def window_reach(sliding_window: int | None) -> int | None:
+    """How many positions away a layer's query may see a key, from the window transformers hands the
+    attention function (None: no window). transformers' masks let |q - k| < sliding_window (ModernBERT
+    passes its half-window + 1, Mistral/Qwen2 their window): flash attention's window_size is that reach."""
+    return None if sliding_window is None else int(sliding_window) - 1
+
+
+def _dense_attention(q, k, v, rows, *_, causal: bool, scaling, reach: int | None = None):
     """Every sequence as long as the call's row: [rows * row_len] stream -> [rows, heads, row_len, dim]."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     n, length = rows.shape
     blocks = [t.view(n, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)]
+    mask = None
+    if reach is not None:  # a band (and causal within it): SDPA's is_causal does not take a mask beside it
+        offsets = torch.arange(length, device=q.device)
+        distance = offsets[None, :] - offsets[:, None]
+        mask = (distance.abs() <= reach) & ((distance <= 0) if causal else True)
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]
     with sdpa_kernel(order, set_priority=True) if q.is_cuda else nullcontext():
-        out = torch.nn.functional.scaled_dot_product_attention(*blocks, is_causal=causal, scale=scaling,
+        out = torch.nn.functional.scaled_dot_product_attention(*blocks, attn_mask=mask,
+                                                               is_causal=causal and mask is None, scale=scaling,
                                                                enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).contiguous()
 
 
-def _flash_attention(q, k, v, rows, cu_seqlens, max_len, *, causal: bool, scaling):
+def _flash_attention(q, k, v, rows, cu_seqlens, max_len, *, causal: bool, scaling, reach: int | None = None):
     longest = max_len.shape[0]
+    window = {} if reach is None else {"window_size_left": reach, "window_size_right": 0 if causal else reach}
     out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, causal,
-                                                  False, scale=scaling)[0]
+                                                  False, scale=scaling, **window)[0]
     return out.view(*rows.shape, *out.shape[1:])
 
 
@@ -178,6 +196,15 @@ def pool_packed(hidden: torch.Tensor, pack: Pack, pooling: str) -> torch.Tensor:
     return sums.index_add(0, pack.segment, hidden.float()) / pack.lengths.unsqueeze(1).float()
 
 
+def first_position(config) -> int:
+    """The position id of a sequence's first token in this model's family (families.yaml)."""
+    from .families import family
+
+    if family(config.model_type, packed=True).positions == "after_padding_idx":
+        return int(config.pad_token_id) + 1
+    return 0
+
+
 class PackedEmbeddingModule(nn.Module):
     """A transformers body (loaded with ATTN_IMPLEMENTATION) + per-sequence pooling (+ L2 norm)."""
 
@@ -190,11 +217,14 @@ class PackedEmbeddingModule(nn.Module):
         # BERT-family embeddings slice a buffer of max_position_embeddings token types when given none,
         # which a stream longer than that would overrun.
         self.token_types = getattr(body.config, "type_vocab_size", 0) > 0
+        # RoBERTa's family numbers positions from padding_idx + 1 (families.yaml), the others from 0.
+        self.first_position = first_position(body.config)
 
     def forward(self, input_ids: torch.Tensor, seq_lengths: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
         pack = Pack(seq_lengths, input_ids, max_len, self.dense)
         stream = input_ids.reshape(1, -1)
-        kwargs = {"position_ids": pack.positions[None], "mopt_pack": pack}
+        positions = pack.positions + self.first_position if self.first_position else pack.positions
+        kwargs = {"position_ids": positions[None], "mopt_pack": pack}
         if self.token_types:
             kwargs["token_type_ids"] = torch.zeros_like(stream)
         out = self.body(input_ids=stream, **kwargs)

@@ -1,0 +1,112 @@
+"""The family table (builder/runtime/families.yaml) held against real transformers models: for every
+family, a tiny random-weight model whose weights are scaled up (x SCALE: at transformers' default init a
+tiny model gives nearly the same output with or without its windows or its position offset, so a test
+there would prove nothing), run packed (every sequence in one stream) and padded, each sequence against
+the model run alone, on lengths from 1 token to the engine's maximum and past every window. And the
+opposite: with a family's difference removed (windows ignored, positions from 0), the same check fails,
+so the test holds the behaviour it names."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builder.runtime import packed as packed_module
+from builder.runtime.errors import UsageError
+from builder.runtime.families import families, family, model_family
+from builder.runtime.packed import pack
+from tests.unit.test_packed import modules, one_at_a_time
+
+pytestmark = pytest.mark.timeout(300)
+
+SCALE = 25.0
+LENGTHS = (1, 2, 5, 8, 9, 17, 18, 33, 40, 63, 64)  # 1 token to max_seq_len (64), past each window (8, 16)
+SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+             max_position_embeddings=130)
+
+
+def _configs():
+    import transformers as t
+
+    decoder = dict(SMALL, num_key_value_heads=2, num_hidden_layers=2, head_dim=8)
+    return {
+        "bert": ("cls", t.BertConfig(**SMALL, num_hidden_layers=2)),
+        "roberta": ("mean", t.RobertaConfig(**SMALL, num_hidden_layers=2, pad_token_id=1)),
+        "xlm-roberta": ("cls", t.XLMRobertaConfig(**SMALL, num_hidden_layers=2, pad_token_id=1)),
+        "camembert": ("mean", t.CamembertConfig(**SMALL, num_hidden_layers=2, pad_token_id=1)),
+        "distilbert": ("mean", t.DistilBertConfig(vocab_size=100, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+                                                  max_position_embeddings=130)),
+        # local_attention 16: each token sees 8 positions either way in layers 1 and 2; layer 0 is global
+        "modernbert": ("cls", t.ModernBertConfig(**SMALL, num_hidden_layers=3, local_attention=16,
+                                                 global_attn_every_n_layers=3, pad_token_id=0)),
+        "qwen2": ("last", t.Qwen2Config(**decoder, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=1)),
+        "qwen3": ("last", t.Qwen3Config(**decoder, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=1)),
+        "llama": ("last", t.LlamaConfig(**decoder)),
+        "mistral": ("last", t.MistralConfig(**decoder, sliding_window=8)),
+    }
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    from transformers import AutoModel
+
+    made = {}
+    for name, (pooling, config) in _configs().items():
+        torch.manual_seed(0)
+        model = AutoModel.from_config(config)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.mul_(SCALE)
+        out = tmp_path_factory.mktemp(name)
+        model.save_pretrained(out)
+        made[name] = (out, pooling)
+    return made
+
+
+def _worst_cosine(model_dir, pooling: str) -> float:
+    packed, padded = modules(model_dir, pooling)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in LENGTHS]
+    with torch.no_grad():
+        got = packed(*pack(seqs))
+    want = one_at_a_time(padded, seqs)
+    return float(torch.nn.functional.cosine_similarity(got, want, dim=-1).min())
+
+
+def test_every_supported_family_has_a_tiny_model_here():
+    assert set(_configs()) == {name for name, f in families().items() if not f.packed_refused}
+
+
+@pytest.mark.parametrize("name", sorted(_configs()))
+def test_a_packed_call_of_every_family_matches_each_text_alone(name, family_models):
+    model_dir, pooling = family_models[name]
+    assert model_family(model_dir).model_type == name
+    assert _worst_cosine(model_dir, pooling) >= 0.9999
+
+
+@pytest.mark.parametrize("name", ["modernbert", "qwen2", "qwen3", "mistral"])
+def test_ignoring_a_familys_windows_is_caught(name, family_models, monkeypatch):
+    model_dir, pooling = family_models[name]
+    monkeypatch.setattr(packed_module, "window_reach", lambda sliding_window: None)
+    assert _worst_cosine(model_dir, pooling) < 0.99
+
+
+@pytest.mark.parametrize("name", ["roberta", "xlm-roberta", "camembert"])
+def test_numbering_positions_from_zero_is_caught(name, family_models, monkeypatch):
+    model_dir, pooling = family_models[name]
+    monkeypatch.setattr(packed_module, "first_position", lambda config: 0)
+    assert _worst_cosine(model_dir, pooling) < 0.99
+
+
+def test_an_unknown_or_unpackable_architecture_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_bigcode"}')
+    with pytest.raises(UsageError, match=r"architecture 'gpt_bigcode' is not one mopt compiles \(supported: bert, "):
+        model_family(tmp_path)
+    with pytest.raises(UsageError, match="mpnet cannot be compiled packed: MPNet computes its attention"):
+        family("mpnet", packed=True)
+    assert family("MPNet").model_type == "mpnet" and family("xlm_roberta").positions == "after_padding_idx"
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(UsageError, match="config.json is missing or not a JSON object"):
+        model_family(tmp_path)
