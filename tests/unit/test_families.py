@@ -110,3 +110,24 @@ def test_an_unknown_or_unpackable_architecture_is_refused_with_the_reason(tmp_pa
     (tmp_path / "config.json").write_text("[1]")
     with pytest.raises(UsageError, match="config.json is missing or not a JSON object"):
         model_family(tmp_path)
+
+
+@pytest.mark.parametrize("architecture, ok", [("qwen3", True), ("xlm-roberta", True), ("gpt_bigcode", False)])
+def test_mopt_plan_refuses_a_recipes_unknown_architecture(architecture, ok, tmp_path):
+    """model.architecture in a recipe is checked against the family table when the plan is made: exit 2,
+    one line naming the file, the key and what is supported, before anything is downloaded or built."""
+    from tests.unit.test_config_fuzz import REPO, setup_tree
+    from tests.unit.test_hostile_config import run_mopt
+
+    recipe = (REPO / "images" / "qwen3-embed" / "image.yaml").read_text()
+    recipe = recipe.replace("  dimension: 1024\n", f"  dimension: 1024\n  architecture: {architecture}\n", 1)
+    assert f"architecture: {architecture}" in recipe
+    setup_tree(tmp_path, (REPO / "matrix.yaml").read_text(), recipe)
+    proc = run_mopt("plan", "--matrix", "matrix.yaml", cwd=tmp_path)
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+        return
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "image.yaml" in lines[0] and "model.architecture" in lines[0]
+    assert "architecture 'gpt_bigcode' is not one mopt compiles (supported: bert, camembert, distilbert" in lines[0]

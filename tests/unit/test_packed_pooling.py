@@ -130,7 +130,7 @@ class FakeBody(torch.nn.Module):
 
     def __init__(self, config=None, dtype=torch.float32):
         super().__init__()
-        self.config = config if config is not None else types.SimpleNamespace(type_vocab_size=0)
+        self.config = config if config is not None else types.SimpleNamespace(model_type="bert", type_vocab_size=0)
         self.dtype = dtype
         self.calls: list[dict] = []
 
@@ -177,7 +177,7 @@ def test_a_uniform_call_pools_each_row():
 
 
 def test_normalize_scales_each_sequence_to_unit_l2_norm():
-    body = FakeBody(types.SimpleNamespace(type_vocab_size=2))
+    body = FakeBody(types.SimpleNamespace(model_type="bert", type_vocab_size=2))
     out = PackedEmbeddingModule(body, "last", normalize=True)(*pack([[3, 4], [5]]))
     # Last tokens: (4, 1, 0) and (5, 0, 0), token types given as zeros.
     assert body.calls[0]["token_type_ids"].tolist() == [[0, 0, 0]]
@@ -187,10 +187,10 @@ def test_normalize_scales_each_sequence_to_unit_l2_norm():
 
 
 @pytest.mark.parametrize("config, given", [
-    (types.SimpleNamespace(type_vocab_size=2), True),
-    (types.SimpleNamespace(type_vocab_size=1), True),
-    (types.SimpleNamespace(type_vocab_size=0), False),
-    (types.SimpleNamespace(), False),  # a config without token types at all (decoders)
+    (types.SimpleNamespace(model_type="bert", type_vocab_size=2), True),
+    (types.SimpleNamespace(model_type="bert", type_vocab_size=1), True),
+    (types.SimpleNamespace(model_type="bert", type_vocab_size=0), False),
+    (types.SimpleNamespace(model_type="qwen3"), False),  # a config without token types at all (decoders)
 ])
 def test_token_types_only_for_bodies_that_have_them(config, given):
     body = FakeBody(config)
