@@ -60,7 +60,7 @@ def test_imports_are_resolved_the_way_python_does():
 
 
 # The contract host and runtime share (builder/runtime/params.py): the host's only imports of the runtime.
-CONTRACT = ("builder.runtime.params", "builder.runtime.errors", "builder.runtime.families")
+CONTRACT = ("builder.runtime.params", "builder.runtime.errors", "builder.runtime.families", "builder.runtime.gate")
 
 
 def _runtime_beyond_contract(module: str) -> bool:

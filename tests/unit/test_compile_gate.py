@@ -35,6 +35,7 @@ def backend(monkeypatch):
     """A backend whose engine is off the reference by a set cosine (backend.cosine)."""
     fake = types.ModuleType(MODULE)
     fake.cosine = 1.0
+    fake.off_from = 0  # texts of this many tokens and more are off by fake.cosine
 
     def compile(model_dir, params, out_dir):  # noqa: A001 - the backend interface's name
         (Path(out_dir) / "model.gate").write_bytes(b"engine")
@@ -45,9 +46,11 @@ def backend(monkeypatch):
 
     def load(engine_dir, params):
         def run(input_ids, attention_mask):
-            c = fake.cosine
-            row = [c, math.sqrt(1 - c * c)] if not math.isnan(c) else [c, c]
-            return torch.tensor([row] * input_ids.shape[0])
+            rows = []
+            for length in attention_mask.sum(dim=1).tolist():
+                c = fake.cosine if length >= fake.off_from else 1.0
+                rows.append([c, math.sqrt(1 - c * c)] if not math.isnan(c) else [c, c])
+            return torch.tensor(rows)
         return run
 
     fake.compile, fake.reference, fake.load, fake.version = compile, reference, load, lambda: "gate-1"
@@ -63,7 +66,7 @@ def backend(monkeypatch):
 def model(tmp_path) -> Path:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text(json.dumps({"model_type": "bert"}))
     build_tokenizer().save(str(model / "tokenizer.json"))
     return model
 
@@ -74,8 +77,9 @@ def gate_params() -> EngineParams:
 
 
 def refused_message(model: Path, cosine: float, threshold: float) -> str:
-    return (f"the gate engine of {model.resolve()} reaches cosine {cosine} vs the fp32 reference, below "
-            f"--min-cosine {threshold}: refused, no engine written")
+    # the stand-in is off by the same cosine at every length: the first class is the worst
+    return (f"the gate engine of {model.resolve()} reaches cosine {cosine} vs the fp32 reference (worst: 1-8-token "
+            f"texts, min {round(cosine, 6)}), below --min-cosine {threshold}: refused, no engine written")
 
 
 def assert_nothing_written(out: Path) -> None:
@@ -98,7 +102,7 @@ def test_an_engine_below_the_threshold_is_refused(backend, model, tmp_path, cosi
 
 def test_an_engine_that_answers_nan_is_refused(backend, model, tmp_path):
     backend.cosine = float("nan")
-    with pytest.raises(CompileError, match="reaches cosine nan vs the fp32 reference, below --min-cosine 0.5"):
+    with pytest.raises(CompileError, match=r"reaches cosine nan vs the fp32 reference \(worst: .*\), below --min-cosine 0.5"):
         compile_engine(model, tmp_path / "out", gate_params(), min_cosine=0.5)
     assert_nothing_written(tmp_path / "out")
 
@@ -207,3 +211,18 @@ def test_the_recipes_min_cosine_reaches_the_compile_step(variant_id, flag):
     else:
         assert script.count("--min-cosine") == 1 and flag in script
         assert args.min_cosine == 0.995 and args.verify is True
+
+
+def test_the_gate_covers_every_length_and_names_the_worst_class(backend, model, tmp_path):
+    """An engine right on short texts and wrong from 17 tokens on (a window ignored, say) is refused, the
+    message naming the class; a passing engine records min and mean per class in engine.json."""
+    backend.cosine, backend.off_from = 0.9, 17
+    with pytest.raises(CompileError, match=r"reaches cosine 0.9 .*\(worst: 9-32-token texts, min 0.9\)"):
+        compile_engine(model, tmp_path / "out", gate_params())
+    backend.cosine = 0.995
+    compile_engine(model, tmp_path / "out", gate_params())
+    ref = json.loads((tmp_path / "out" / "reference.json").read_text())
+    assert set(ref["tokens"]) >= {1, 2, 4, 8, 16, 32} and max(ref["tokens"]) == 32
+    classes = fingerprint.read(tmp_path / "out")["accuracy_by_length"]
+    assert classes == ref["classes"] and list(classes) == ["1-8", "9-32"]
+    assert classes["1-8"]["min"] == 1.0 and classes["9-32"]["min"] == 0.995 < classes["9-32"]["mean"] < 1.0

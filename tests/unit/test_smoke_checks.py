@@ -130,3 +130,20 @@ def test_nan_never_passes():
         check_accuracy(nan, 0.99)
     with pytest.raises(SmokeTestError, match="differ by up to nan"):
         check_deterministic([[1.0, nan]], [[1.0, nan]])
+
+
+def test_the_smoke_texts_are_the_inputs_then_the_gates_and_a_miss_names_its_length_class():
+    from builder.smoke import smoke_texts, worst_length_class
+
+    reference = {"texts": ["a", "b c", "d e f g h i j k l m"], "tokens": [3, 4, 12],
+                 "embeddings": [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]}
+    texts = smoke_texts(("b c", "a"), reference)
+    assert texts == ["b c", "a", "d e f g h i j k l m"]
+    assert smoke_texts(("x",), {}) == ["x"]
+    vectors = [[1.0, 0.0], [1.0, 0.0], [0.6, 0.8]]  # the long text is off: cosine 0.6
+    assert worst_length_class(texts, vectors, reference) == "9-32-token texts min 0.60000"
+    with pytest.raises(SmokeTestError, match=r"^cosine vs reference 0.60000 < threshold 0.99 \(worst: 9-32-token "
+                                             r"texts min 0.60000\)$"):
+        check_accuracy(0.6, 0.99, lambda: worst_length_class(texts, vectors, reference))
+    del reference["tokens"]  # a reference of an earlier compile: no token counts
+    assert worst_length_class(texts, vectors, reference) == "unknown length min 0.60000"
