@@ -110,7 +110,10 @@ def test_engine_matches_reference(engine):
 
     out, _ = engine
     ref = json.loads((out / "reference.json").read_text())
-    assert ref["texts"] == TEXTS and len(ref["embeddings"]) == 3
+    # The given texts first, then the gate's (every length class to max_seq_len, several scripts).
+    assert ref["texts"][:3] == TEXTS and len(ref["embeddings"]) == len(ref["texts"]) == len(ref["tokens"]) > 3
+    assert 56 <= max(ref["tokens"]) <= 64 and list(ref["classes"]) == ["1-8", "9-32", "33-128"]
+    assert all(c["min"] >= 0.999 for c in ref["classes"].values())
     eng = Engine.open(out)
     # One batch of all texts (padding in play) and one text alone must both match the reference.
     got = eng.embed_texts(ref["texts"]) + eng.embed_texts(ref["texts"][2:])
