@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--target-sm", default=None, help="expected GPU arch, e.g. 90 (must match the GPU)")
     c.add_argument("--image-info", default=None, help="JSON text or file: repository, tag, tag_template, tags_by_sm")
     c.add_argument("--reference-texts", default=None, help="file with a JSON list of strings")
+    c.add_argument("--force-pooling", action="store_true",
+                   help="compile with --pooling/--normalize (or the params') even where they contradict the model's "
+                        "sentence-transformers files (by default those files decide, and a contradiction is an error)")
     c.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="load the engine after compiling and compare it with the reference")
     c.add_argument("--min-cosine", type=float, default=None,
@@ -235,6 +238,7 @@ def cmd_compile(a) -> dict:
     from dataclasses import fields, replace
 
     from .compiler import DEFAULT_MIN_COSINE, compile_engine
+    from .conventions import apply_conventions
     from .params import EngineParams
 
     image = _load_json_arg("--image-info", a.image_info, dict)
@@ -247,8 +251,12 @@ def cmd_compile(a) -> dict:
         if flags:
             raise UsageError(f"--params holds the engine parameters: drop {', '.join(sorted(flags))}")
         params = EngineParams.read(a.params)
+        given = set(json.loads(Path(a.params).read_text(encoding="utf-8")))  # read() checked it already
     else:
         params = EngineParams(**flags)
+        given = set(flags)
+    # Pooling and normalisation from the model's own sentence-transformers files (conventions.py).
+    params = apply_conventions(params, model, given, force=a.force_pooling)
     params = replace(params, model_dir=str(model.resolve()),
                      model_name=params.model_name or (image or {}).get("repository") or model.resolve().name)
     min_cosine = DEFAULT_MIN_COSINE if a.min_cosine is None else a.min_cosine
