@@ -4,13 +4,14 @@ finishes queued work, and the queue depth is reported; a small request goes befo
 large one, the queue is bounded, and dead requests never reach the engine."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from builder.runtime.batcher import Batcher
+from builder.runtime.batcher import LEAD_S, Batcher, CallModel
 from tests.serving import wait_for
 
 WAIT = 5  # seconds any future or event may take before the test fails (not slept)
@@ -45,12 +46,14 @@ class Recorder:
     def __init__(self):
         self.depths: list[int] = []
         self.batches: list[int] = []
+        self.seconds: list[float] = []
 
     def set_queue_depth(self, n: int) -> None:
         self.depths.append(n)
 
-    def batch_done(self, size: int, seconds: float = 0.0) -> None:
+    def batch_done(self, size: int, seconds: float = -1.0) -> None:  # -1: the batcher gave no time
         self.batches.append(size)
+        self.seconds.append(seconds)
 
 
 @pytest.fixture
@@ -694,3 +697,153 @@ def test_fail_queued_fails_the_waiting_jobs_and_counts_them(make):
     assert batcher._queued_tokens == 0 and batcher.fail_queued(gone) == 0
     engine.release.set()
     assert blocker.result(WAIT) == [vec([1000])]
+
+
+# --- the call model, the deadlines and the hand-over, held exactly (the mutation check's survivors) ------
+
+def _model(points) -> CallModel:
+    model = CallModel()
+    for tokens, seconds in points:
+        model.add(tokens, seconds)
+    return model
+
+
+def test_the_call_model_keeps_the_last_64_calls():
+    model = _model((t, 0.001 * t) for t in range(100))
+    assert len(model.calls) == 64 and model.calls[0][0] == 36
+
+
+@pytest.mark.parametrize("points, tokens, rate, want", [
+    # exact fit of fixed + slope x on binary fractions: fixed 0 counts as a fit
+    ([(2, 0.5), (4, 1.0), (2, 0.5), (4, 1.0)], 8, 1000.0, 2.0),
+    # fixed 0.25, slope 0.125 on tokens 1 and 2: a variance of 0.25 (below 1) still fits
+    ([(1, 0.375), (2, 0.5), (1, 0.375), (2, 0.5)], 10, 1000.0, 1.5),
+    # no slope (the same time whatever the size): the rate decides
+    ([(2, 0.5), (4, 0.5), (2, 0.5), (4, 0.5)], 8, 4.0, 2.0),
+    # a falling line (bigger calls faster): the rate decides
+    ([(2, 1.0), (4, 0.5), (2, 1.0), (4, 0.5)], 8, 4.0, 2.0),
+    # fewer than four calls: the rate; a rate below one token a second is still a rate
+    ([(2, 0.5)], 3, 0.5, 6.0),
+    ([], 3, 0.0, math.inf),
+])
+def test_the_call_model_fits_a_line_or_falls_back_to_the_rate(points, tokens, rate, want):
+    assert _model(points).seconds(tokens, rate) == want
+
+
+def test_stalled_deadlines_at_their_bounds(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=4, max_wait_ms=0)
+    assert batcher.stall_timeout == 5.0 and batcher.longest_call_s == 0.0
+    busy(batcher, engine, 4)  # 4 tokens in flight
+    started = batcher._inflight[0].started
+    batcher._rate = 0.5  # tokens a second: expected 8 s, deadline 4 x 8 = 32 s
+    assert batcher.stalled(started + 32.0) is None  # at the deadline exactly: not yet
+    assert batcher.stalled(started + 32.5) == pytest.approx(32.5)
+    assert batcher.stalled(started + 20.0) is None  # past the 5 s floor, within 32 s
+    batcher._inflight[0].tokens = 0  # a ping: nothing to compute, the floor alone
+    assert batcher.stalled(started + 5.0) is None and batcher.stalled(started + 5.5) == pytest.approx(5.5)
+    engine.release.set()
+
+
+def test_the_next_call_is_due_when_the_calls_in_flight_end_less_the_lead(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=4, max_wait_ms=0, depth=2)
+    busy(batcher, engine, 4)
+    with batcher._cond:
+        batcher._rate = 8.0  # 4 tokens: 0.5 s
+        started = batcher._inflight[0].started
+        assert batcher._due() == pytest.approx(started + 0.5 - LEAD_S)
+    engine.release.set()
+
+
+def test_half_a_batch_waits_for_the_running_calls_due_time(make):
+    """Behind a call due in 0.6 s, half a batch is sent at that time, not at once and not after the call."""
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=4, max_wait_ms=0, depth=2)
+    busy(batcher, engine, 4)
+    with batcher._cond:
+        batcher._rate = 4 / 0.6
+    half = [batcher.submit([[7]]), batcher.submit([[8]])]
+    time.sleep(0.25)
+    assert len(batcher._inflight) == 1  # not yet due
+    assert wait_for(lambda: len(batcher._inflight) == 2, timeout=2.0)  # sent while the first still runs
+    engine.release.set()
+    assert [f.result(WAIT) for f in half] == [[vec([7])], [vec([8])]]
+
+
+def test_half_a_token_budget_is_half_the_budget():
+    batcher = Batcher(lambda seqs: [vec(s) for s in seqs], 64, 0, max_batch_tokens=100, depth=1)
+    try:
+        with batcher._cond:
+            batcher._queued_tokens = 10
+            assert not batcher._full(0.5)
+            batcher._queued_tokens = 50
+            assert batcher._full(0.5) and not batcher._full()
+    finally:
+        batcher.close(timeout=WAIT)
+
+
+def test_a_finished_call_starts_the_clock_of_the_next_and_records_its_time(make):
+    engine = FakeEngine(hold_first=True)
+    metrics = Recorder()
+    batcher = make(engine, max_batch=2, max_wait_ms=0, metrics=metrics, depth=2)
+    first = busy(batcher, engine, 2)
+    second = batcher.submit([[5], [6]])  # a whole batch: sent at once, waits in the pipe
+    assert wait_for(lambda: len(batcher._inflight) == 2, timeout=WAIT)
+    assert batcher._inflight[1].started is None  # not running yet
+    engine.release.set()
+    assert first.result(WAIT) and second.result(WAIT) == [vec([5]), vec([6])]
+    assert metrics.batches == [2, 2] and all(s > 0 for s in metrics.seconds)
+    assert [t for t, _ in batcher.model.calls] == [2, 2] and all(s > 0 for _, s in batcher.model.calls)
+    assert 0 < batcher.longest_call_s < WAIT
+
+
+def test_a_second_call_counts_from_the_end_of_the_first(make):
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=2, max_wait_ms=0, depth=2)
+    busy(batcher, engine, 2)
+    batcher.submit([[5], [6]])
+    assert wait_for(lambda: len(batcher._inflight) == 2, timeout=WAIT)
+    second = batcher._inflight[1]
+    before = time.monotonic()
+    engine.release.set()
+    assert wait_for(lambda: second.started is not None or second not in batcher._inflight, timeout=WAIT)
+    assert second.started is None or second.started >= before
+
+
+def test_a_failed_batch_leaves_waiting_requests_with_deadlines_to_be_served(make):
+    engine = FakeEngine(hold_first=True, fail_on=-1)
+    batcher = make(engine, max_batch=1, max_wait_ms=0)
+    failing = batcher.submit([[-1]])
+    assert engine.entered.wait(WAIT)
+    waiting = batcher.submit([[3]], deadline=time.monotonic() + 60)
+    engine.release.set()
+    with pytest.raises(ValueError):
+        failing.result(WAIT)
+    assert waiting.result(WAIT) == [vec([3])]
+
+
+def test_engine_calls_run_on_threads_named_for_them():
+    names = []
+    batcher = Batcher(lambda seqs: names.append(threading.current_thread().name) or [vec(s) for s in seqs], 4, 0,
+                      depth=1)
+    try:
+        assert batcher.submit([[1]]).result(WAIT) == [vec([1])]
+        assert names and names[0].startswith("mopt-engine-call_")
+    finally:
+        batcher.close(timeout=WAIT)
+
+
+def test_a_ping_is_stalled_past_the_floor_alone():
+    """A ping computes nothing: its deadline is stall_timeout_s, however short."""
+    release = threading.Event()
+    batcher = Batcher(lambda seqs: release.wait(WAIT) and [vec(s) for s in seqs], 4, 0, ping_interval_s=0.01,
+                      stall_timeout_s=1.0, depth=1)
+    try:
+        assert wait_for(lambda: bool(batcher._inflight), timeout=WAIT)  # a ping in flight, held
+        started = batcher._inflight[0].started
+        assert batcher._inflight[0].tokens == 0
+        assert batcher.stalled(started + 0.9) is None and batcher.stalled(started + 1.5) == pytest.approx(1.5)
+    finally:
+        release.set()
+        batcher.close(timeout=WAIT)
