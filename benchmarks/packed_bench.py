@@ -1,11 +1,12 @@
 """Packed against padded engines, side by side in one process, for one model family.
 
-    PYTHONUNBUFFERED=1 CXX=g++ python3 benchmarks/packed_bench.py --family qwen3|bert --out $OUT \
+    PYTHONUNBUFFERED=1 CXX=g++ python3 benchmarks/packed_bench.py --family qwen3|bert|xlmr --out $OUT \
         [--layers N] [--device cuda|cpu] [--precision bf16] [--batch 64] [--seq 512] [--forms padded,packed]
 
 Builds a random-weight model of the family's shape (qwen3: Qwen3-Embedding-0.6B, a causal decoder with
 last-token pooling; bert: BERT-base, 12 layers, hidden 768, a bidirectional encoder with mean pooling,
-the shape of bge/e5/gte), compiles one torch-aot engine per input form with
+the shape of bge/e5/gte; xlmr: XLM-R-large, 24 layers, hidden 1024, positions from padding_idx + 1,
+CLS pooling, the shape of bge-m3 and multilingual-e5-large), compiles one torch-aot engine per input form with
 `python -m builder.runtime compile` (the image's compile step, accuracy check included), and times
 on the same GPU in one process, in real (unpadded) tokens per second:
   fixed       BATCH x SEQ, every row full
@@ -35,7 +36,14 @@ from benchmarks.gpu_bench import QWEN3_06B  # noqa: E402
 
 BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2)
-FAMILIES = {"qwen3": {"pooling": "last", "attention": "causal"}, "bert": {"pooling": "mean", "attention": "mask"}}
+# XLM-R-large (bge-m3, multilingual-e5-large): positions from padding_idx + 1 (families.yaml). Its pad id is
+# the vocabulary's last, which the offline tokenizer never produces: transformers' eager positions skip
+# pad tokens, so a real token with that id would be numbered apart.
+XLMR_LARGE = dict(vocab_size=250002, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                  intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1, pad_token_id=250001)
+FAMILIES = {"qwen3": {"pooling": "last", "attention": "causal"}, "bert": {"pooling": "mean", "attention": "mask"},
+            "xlmr": {"pooling": "cls", "attention": "mask"}}
+DEFAULT_LAYERS = {"qwen3": 28, "bert": 12, "xlmr": 24}
 
 
 def parse_args(argv=None):
@@ -43,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--family", choices=sorted(FAMILIES), required=True)
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--work", default="/tmp/mopt-packed-bench")
-    p.add_argument("--layers", type=int, default=0, help="default: the family's (28 qwen3, 12 bert)")
+    p.add_argument("--layers", type=int, default=0, help="default: the family's (28 qwen3, 12 bert, 24 xlmr)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--batch", type=int, default=64)
@@ -60,7 +68,7 @@ def make_model(dest: Path, family: str, layers: int) -> Path:
     """Random weights (seed 0) of the family's shape, with the tiny Qwen3's offline tokenizer (ids below
     every vocab here; the Hub is out of reach)."""
     import torch
-    from transformers import BertConfig, BertModel, Qwen3Config, Qwen3Model
+    from transformers import BertConfig, BertModel, Qwen3Config, Qwen3Model, XLMRobertaConfig, XLMRobertaModel
 
     from builder.runtime.tiny_qwen3 import make_tiny_qwen3
 
@@ -71,6 +79,8 @@ def make_model(dest: Path, family: str, layers: int) -> Path:
         cfg = Qwen3Config(**dict(QWEN3_06B, num_hidden_layers=layers), bos_token_id=eos, eos_token_id=eos,
                           pad_token_id=eos)
         model = Qwen3Model(cfg)
+    elif family == "xlmr":
+        model = XLMRobertaModel(XLMRobertaConfig(**dict(XLMR_LARGE, num_hidden_layers=layers)), add_pooling_layer=False)
     else:
         model = BertModel(BertConfig(**dict(BERT_BASE, num_hidden_layers=layers), pad_token_id=eos))
     model.to(torch.bfloat16).eval().save_pretrained(dest, safe_serialization=True)
@@ -96,7 +106,9 @@ def compile_engine(model: Path, out: Path, a, form: str) -> dict:
         lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("frame #")]
         return {"error": "\n".join(lines[-12:]), "log": log.name}
     summary = json.loads(p.stdout.strip().splitlines()[-1])
-    return {"compile_s": round(time.monotonic() - t, 1), "engine_min_cosine": summary.get("engine_min_cosine")}
+    gate = json.loads((out / "engine.json").read_text()).get("accuracy_by_length")
+    return {"compile_s": round(time.monotonic() - t, 1), "engine_min_cosine": summary.get("engine_min_cosine"),
+            "accuracy_by_length": gate}
 
 
 def lognormal_lengths(seq: int, texts: int, rng) -> list[int]:
@@ -200,7 +212,7 @@ def main(argv=None) -> int:
     from builder.runtime.engine import Engine
     from builder.runtime.params import EngineParams
 
-    layers = a.layers or (28 if a.family == "qwen3" else 12)
+    layers = a.layers or DEFAULT_LAYERS[a.family]
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model = make_model(work / f"{a.family}-{layers}", a.family, layers)
