@@ -37,10 +37,11 @@ from benchmarks.gpu_bench import QWEN3_06B  # noqa: E402
 BERT_BASE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512, type_vocab_size=2)
 # XLM-R-large (bge-m3, multilingual-e5-large): positions from padding_idx + 1 (families.yaml). Its pad id is
-# the vocabulary's last, which the offline tokenizer never produces: transformers' eager positions skip
-# pad tokens, so a real token with that id would be numbered apart.
+# 600, above every id the offline tokenizer produces (transformers' eager positions skip pad tokens, so a
+# real token with that id would be numbered apart), and the position table is longer by as much
+# (602 + 512 rows instead of 514): the same offset arithmetic, the same compute.
 XLMR_LARGE = dict(vocab_size=250002, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                  intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1, pad_token_id=250001)
+                  intermediate_size=4096, max_position_embeddings=1114, type_vocab_size=1, pad_token_id=600)
 FAMILIES = {"qwen3": {"pooling": "last", "attention": "causal"}, "bert": {"pooling": "mean", "attention": "mask"},
             "xlmr": {"pooling": "cls", "attention": "mask"}}
 DEFAULT_LAYERS = {"qwen3": 28, "bert": 12, "xlmr": 24}
