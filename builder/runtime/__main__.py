@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                   default=True, help="run the engine in a worker process, apart from the HTTP threads (no shared GIL); "
                                          "vLLM's forward passes run in its own process already")
     _env_argument(s, "serve", "--cuda-graphs", "MOPT_CUDA_GRAPHS", action=argparse.BooleanOptionalAction,
-                  default=True, help="replay a packed GPU engine's small calls from CUDA graphs captured at start "
-                                     "(fewer kernel launches per call; a probe checks them against the engine)")
+                  default=False, help="replay a packed GPU engine's small calls from CUDA graphs captured at start "
+                                      "(fewer kernel launches per call; a probe checks them against the engine); "
+                                      "experimental, off by default (docs/server.md)")
     _env_argument(s, "serve", "--served-model-name", "MOPT_SERVED_MODEL_NAME", type=_model_names, default=None,
                   help="the model's name in responses and /v1/models, with aliases after commas (as vLLM's "
                        "flag): 'name,alias'; a request naming an alias is answered with it (default: the "

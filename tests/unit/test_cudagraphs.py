@@ -96,9 +96,9 @@ def test_graphs_are_for_flash_engines_on_the_gpu_and_can_be_turned_off(monkeypat
                    EngineParams(max_batch=8, max_seq_len=64, device="cuda", precision="bf16")):
         assert cudagraphs.graphed(runner, params, 100, None) is runner
     flash = EngineParams(max_batch=8, max_seq_len=64, input_form="packed", device="cuda", precision="bf16")
-    monkeypatch.setenv(cudagraphs.ENV, "0")
+    monkeypatch.delenv(cudagraphs.ENV, raising=False)  # off unless asked for
     assert cudagraphs.graphed(runner, flash, 100, None) is runner
-    for value, on in [("1", True), ("", True), ("off", False), ("no", False), ("False", False)]:
+    for value, on in [("1", True), ("on", True), ("", False), ("off", False), ("no", False), ("False", False)]:
         monkeypatch.setenv(cudagraphs.ENV, value)
         assert cudagraphs.wanted() is on
 
