@@ -22,24 +22,17 @@ def main() -> int:
     p.add_argument("--out", default="bench-out")
     a = p.parse_args()
     import torch
-    from transformers import AutoModel
 
     from builder.runtime import packed as packed_module
     from builder.runtime.backends.torch_common import build_module
     from builder.runtime.packed import pack
     from builder.runtime.params import EngineParams
-    from tests.unit.test_families import LENGTHS, SCALE, _configs
+    from tests.unit.test_families import LENGTHS, _configs, save_scaled
 
     results = {}
     work = Path(tempfile.mkdtemp())
     for name, (pooling, config) in _configs().items():
-        torch.manual_seed(0)
-        model = AutoModel.from_config(config)
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.mul_(SCALE)
-        model.save_pretrained(work / name)
+        save_scaled(config, work / name)
         gen = torch.Generator().manual_seed(1)
         seqs = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in LENGTHS]
         padded = build_module(str(work / name), EngineParams(pooling=pooling, max_batch=16, max_seq_len=64),

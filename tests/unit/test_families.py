@@ -47,20 +47,25 @@ def _configs():
     }
 
 
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
+def save_scaled(config, dest) -> None:
+    """A random-weight model of CONFIG (seed 0) with its linear layers scaled by SCALE, saved to DEST."""
     from transformers import AutoModel
 
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(SCALE)
+    model.save_pretrained(dest)
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
     made = {}
     for name, (pooling, config) in _configs().items():
-        torch.manual_seed(0)
-        model = AutoModel.from_config(config)
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.mul_(SCALE)
         out = tmp_path_factory.mktemp(name)
-        model.save_pretrained(out)
+        save_scaled(config, out)
         made[name] = (out, pooling)
     return made
 
