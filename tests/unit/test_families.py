@@ -136,3 +136,49 @@ def test_mopt_plan_refuses_a_recipes_unknown_architecture(architecture, ok, tmp_
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "image.yaml" in lines[0] and "model.architecture" in lines[0]
     assert "architecture 'gpt_bigcode' is not one mopt compiles (supported: bert, camembert, distilbert" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_modernbert(tmp_path_factory):
+    """A scaled tiny ModernBERT (window 16 in two of three layers) with the offline word-level tokenizer."""
+    import transformers as t
+
+    from builder.runtime.tiny_qwen3 import build_tokenizer
+
+    out = tmp_path_factory.mktemp("modernbert-engine-model")
+    save_scaled(t.ModernBertConfig(**dict(SMALL, vocab_size=128), num_hidden_layers=3, local_attention=16,
+                                   global_attn_every_n_layers=3, pad_token_id=0), out)
+    build_tokenizer().save(str(out / "tokenizer.json"))
+    return out
+
+
+def _compile_packed(model_dir, out):
+    from builder.runtime.compiler import compile_engine
+    from builder.runtime.params import EngineParams
+
+    params = EngineParams(backend="torch-aot", device="cpu", max_batch=8, max_seq_len=64, pooling="cls",
+                          input_form="packed", max_batch_tokens=512, model_dir=str(model_dir))
+    return compile_engine(model_dir, out, params, min_cosine=0.999)
+
+
+@pytest.mark.timeout(900)
+def test_a_compiled_packed_modernbert_passes_the_gate_at_every_length(tiny_modernbert, tmp_path):
+    from builder.runtime import fingerprint
+
+    _compile_packed(tiny_modernbert, tmp_path / "out")
+    classes = fingerprint.read(tmp_path / "out")["accuracy_by_length"]
+    assert set(classes) == {"1-8", "9-32", "33-128"}  # 1 token to max_seq_len 64, past the window (8)
+    assert all(c["min"] >= 0.999 for c in classes.values()), classes
+
+
+@pytest.mark.timeout(900)
+def test_a_packed_graph_without_its_windows_is_refused_by_the_gate(tiny_modernbert, tmp_path, monkeypatch):
+    """The issue's case: short texts cannot tell the window apart, the gate's long ones do."""
+    from builder.runtime.errors import CompileError
+
+    monkeypatch.setattr(packed_module, "window_reach", lambda sliding_window: None)
+    with pytest.raises(CompileError, match=r"below --min-cosine 0.999: refused") as refused:
+        _compile_packed(tiny_modernbert, tmp_path / "out")
+    assert refused.value.exit_code == 4
+    assert "(worst: 33-128-token texts" in str(refused.value) or "(worst: 9-32-token texts" in str(refused.value)
+    assert not (tmp_path / "out" / "engine.json").exists()
