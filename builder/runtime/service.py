@@ -353,7 +353,9 @@ class EmbeddingService:
         return Truncation(self.max_tokens, "right") if self.limits.auto_truncate else None
 
     def _vllm_truncation(self, payload) -> Truncation | None:
-        """vLLM's truncate_prompt_tokens: k keeps the last k tokens (left truncation); -1 the model's maximum."""
+        """vLLM's truncate_prompt_tokens: k keeps k tokens, cut on the tokenizer's truncation_side (its
+        tokenizer_config.json; right, keeping the start, by default) as vLLM's renderer has the tokenizer
+        cut (older vLLM kept the last k); -1 the model's maximum."""
         k = payload.get("truncate_prompt_tokens")
         if k is None:
             return self._auto()
@@ -361,7 +363,8 @@ class EmbeddingService:
             raise ApiError(400, f"truncate_prompt_tokens must be -1 (the maximum, {self.max_tokens}) or in "
                                 f"1..{self.max_tokens}", param="truncate_prompt_tokens",
                            code="invalid_truncate_prompt_tokens")
-        return Truncation(self.max_tokens if k == -1 else k, "left")
+        side = getattr(self.engine.encoder, "truncation_side", "right")
+        return Truncation(self.max_tokens if k == -1 else k, side)
 
     def _tei_truncation(self, payload) -> Truncation | None:
         """TEI's truncate (bool; absent: the server's auto_truncate) and truncation_direction (default Right)."""

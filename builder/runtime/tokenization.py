@@ -48,6 +48,8 @@ class TextEncoder:
         if cfg_path.is_file():
             cfg = json.loads(cfg_path.read_text())
         self.instruction = instruction
+        # Where a cut to k tokens falls for vLLM's truncate_prompt_tokens (HF's default: right).
+        self.truncation_side = "left" if cfg.get("truncation_side") == "left" else "right"
         # Engine params decide (EngineParams.pad_left); by default last-token pooling pads left.
         self.pad_left = pooling == "last" if pad_left is None else pad_left
         self.append_eos = pooling == "last"

@@ -159,34 +159,40 @@ def test_a_string_at_the_character_limit_is_tokenized(make):
 @pytest.mark.parametrize("payload", [{"truncate_prompt_tokens": -1}, {"truncate_prompt_tokens": 4}])
 def test_truncation_cuts_at_the_character_limit_first(make, payload):
     svc = make(max_input_chars=10)
-    text = "abcdefghij" * 1000 + "0123456789"
+    text = "0123456789" + "abcdefghij" * 1000
     body, tokens = svc.embeddings({"input": text, **payload})
     (texts, max_tokens, direction), = svc.engine.encoder.calls
-    assert texts == ["0123456789"] and direction == "left"  # only the kept end went to the tokenizer
+    assert texts == ["0123456789"] and direction == "right"  # only the kept start went to the tokenizer
     assert max_tokens == (16 if payload["truncate_prompt_tokens"] == -1 else 4)
-    assert svc.engine.seen() == [ids("0123456789")[-max_tokens:]] and tokens == min(10, max_tokens)
+    assert svc.engine.seen() == [ids("0123456789")[:max_tokens]] and tokens == min(10, max_tokens)
 
 
 # --- truncation: vLLM's truncate_prompt_tokens ---------------------------------------------------
 
-def test_truncate_prompt_tokens_keeps_the_last_k_tokens(make):
+def test_truncate_prompt_tokens_keeps_k_tokens_on_the_tokenizers_side(make):
+    """As vLLM's renderer: the tokenizer cuts, on its truncation_side (right, keeping the start, unless the
+    tokenizer_config says left)."""
     svc = make()
     body, tokens = svc.embeddings({"input": ["abcdefghijklmnopqrstuvwxyz", "ab"], "truncate_prompt_tokens": 3})
-    assert svc.engine.encoder.calls == [(["abcdefghijklmnopqrstuvwxyz", "ab"], 3, "left")]
-    assert sorted(svc.engine.seen()) == sorted([ids("xyz"), ids("ab")]) and tokens == 5
+    assert svc.engine.encoder.calls == [(["abcdefghijklmnopqrstuvwxyz", "ab"], 3, "right")]
+    assert sorted(svc.engine.seen()) == sorted([ids("abc"), ids("ab")]) and tokens == 5
     assert body["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    svc.engine.encoder.truncation_side = "left"
+    svc.embeddings({"input": ["abcdefghijklmnopqrstuvwxyz"], "truncate_prompt_tokens": 3})
+    assert svc.engine.encoder.calls[-1] == (["abcdefghijklmnopqrstuvwxyz"], 3, "left")
+    assert svc.engine.seen()[-1] == ids("xyz")
 
 
 def test_truncate_prompt_tokens_minus_one_is_the_models_maximum(make):
     svc = make()
-    _, tokens = svc.embeddings({"input": "a" * 20 + "b" * 16, "truncate_prompt_tokens": -1})
-    assert svc.engine.seen() == [ids("b" * 16)] and tokens == 16
+    _, tokens = svc.embeddings({"input": "a" * 16 + "b" * 20, "truncate_prompt_tokens": -1})
+    assert svc.engine.seen() == [ids("a" * 16)] and tokens == 16
 
 
 def test_token_ids_are_truncated_the_same_way(make):
     svc = make()
     svc.embeddings({"input": [list(range(1, 31)), [5]], "truncate_prompt_tokens": 4})
-    assert sorted(svc.engine.seen()) == [[5], [27, 28, 29, 30]]
+    assert sorted(svc.engine.seen()) == [[1, 2, 3, 4], [5]]
     svc.embed({"inputs": [list(range(1, 31))], "truncate": True, "truncation_direction": "Right"})
     assert svc.engine.seen()[-1] == list(range(1, 17))
 
@@ -768,3 +774,14 @@ def test_compile_flag_for_matryoshka():
     # not given: absent, so the contract's default (None) applies (builder/runtime/params.py)
     assert not hasattr(build_parser().parse_args(base), "matryoshka_min_dim")
     assert build_parser().parse_args([*base, "--matryoshka-min-dim", "32"]).matryoshka_min_dim == 32
+
+
+@pytest.mark.parametrize("config, side", [({}, "right"), ({"truncation_side": "left"}, "left"),
+                                          ({"truncation_side": "right"}, "right"), ({"truncation_side": 3}, "right")])
+def test_the_truncation_side_comes_from_the_tokenizer_config(tmp_path, config, side):
+    from builder.runtime.tiny_qwen3 import build_tokenizer
+    from builder.runtime.tokenization import TextEncoder
+
+    build_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert TextEncoder(tmp_path, "mean").truncation_side == side
