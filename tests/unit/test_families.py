@@ -125,7 +125,7 @@ def test_mopt_plan_refuses_a_recipes_unknown_architecture(architecture, ok, tmp_
     from tests.unit.test_hostile_config import run_mopt
 
     recipe = (REPO / "images" / "qwen3-embed" / "image.yaml").read_text()
-    recipe = recipe.replace("  dimension: 1024\n", f"  dimension: 1024\n  architecture: {architecture}\n", 1)
+    recipe = recipe.replace("  architecture: qwen3\n", f"  architecture: {architecture}\n", 1)
     assert f"architecture: {architecture}" in recipe
     setup_tree(tmp_path, (REPO / "matrix.yaml").read_text(), recipe)
     proc = run_mopt("plan", "--matrix", "matrix.yaml", cwd=tmp_path)
