@@ -4,7 +4,8 @@ fresh process (a failed capture can poison the CUDA context), with native stacks
     CXX=g++ PYTHONUNBUFFERED=1 python3 benchmarks/cudagraph_probe.py ENGINE_DIR --out $OUT
 
 Ways: `own` (the graphs' own container, one model instance per graph: what cudagraphs.py does),
-`shared` (the direct runner's container), `one` (own container, a single graph); `-exit` after a way: the process exits normally (destructors
+`shared` (the direct runner's container), `one` (own container, a single graph); `-exit` after a way:
+the process exits normally (destructors
 run) instead of os._exit. Each prints what it
 reached; the summary goes to cudagraph_probe.json."""
 from __future__ import annotations

@@ -41,7 +41,8 @@ def main() -> int:
             want = torch.stack([padded(torch.tensor([s], device="cuda"),
                                        torch.ones(1, len(s), dtype=torch.long, device="cuda"))[0] for s in seqs])
         row = {}
-        for case, patch in (("packed", None), ("windows removed", "window_reach"), ("positions from 0", "first_position")):
+        cases = (("packed", None), ("windows removed", "window_reach"), ("positions from 0", "first_position"))
+        for case, patch in cases:
             saved = getattr(packed_module, patch) if patch else None
             if patch:
                 setattr(packed_module, patch, (lambda w: None) if patch == "window_reach" else (lambda c: 0))

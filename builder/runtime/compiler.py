@@ -13,8 +13,8 @@ from pathlib import Path
 
 from . import fingerprint
 from .backends import get_backend
-from .errors import CompileError, RuntimeToolError, UsageError
 from .engine import engine_encoder
+from .errors import CompileError, RuntimeToolError, UsageError
 from .families import model_family
 from .gate import gate_texts, model_windows, per_class
 from .hostinfo import host_facts

@@ -45,7 +45,8 @@ def read_conventions(model_dir: str | Path) -> Conventions:
             modes = [name for key, name in _POOLING_KEYS if cfg.get(key)]
             unserved = [key for key in _UNSERVED_KEYS if cfg.get(key)]
             if unserved or len(modes) > 1:
-                raise UsageError(f"--model {model_dir}: its sentence-transformers pooling ({', '.join(unserved + modes)}) "
+                raise UsageError(f"--model {model_dir}: its sentence-transformers pooling "
+                                 f"({', '.join(unserved + modes)}) "
                                  "is not one mopt serves (one of cls, mean, last)")
             pooling = modes[0] if modes else None
     normalize = True if "Normalize" in types else (False if modules else None)

@@ -29,7 +29,8 @@ class Family:
 
 def _parse(name: str, row) -> Family:
     where = f"{FAMILIES_YAML.name}: {name}"
-    if not isinstance(row, dict) or set(row) - _KEYS or not {"positions", "attention", "windows", "token_types"} <= set(row):
+    required = {"positions", "attention", "windows", "token_types"}
+    if not isinstance(row, dict) or set(row) - _KEYS or not required <= set(row):
         raise ValueError(f"{where}: expected positions, attention, windows, token_types (and packed), got {row!r}")
     if row["positions"] not in POSITIONS or row["attention"] not in ATTENTIONS:
         raise ValueError(f"{where}: positions must be one of {POSITIONS}, attention one of {ATTENTIONS}")

@@ -102,7 +102,8 @@ def test_an_engine_below_the_threshold_is_refused(backend, model, tmp_path, cosi
 
 def test_an_engine_that_answers_nan_is_refused(backend, model, tmp_path):
     backend.cosine = float("nan")
-    with pytest.raises(CompileError, match=r"reaches cosine nan vs the fp32 reference \(worst: .*\), below --min-cosine 0.5"):
+    with pytest.raises(CompileError,
+                       match=r"reaches cosine nan vs the fp32 reference \(worst: .*\), below --min-cosine 0.5"):
         compile_engine(model, tmp_path / "out", gate_params(), min_cosine=0.5)
     assert_nothing_written(tmp_path / "out")
 

@@ -61,7 +61,8 @@ def test_the_files_fill_what_is_not_given_and_refuse_what_contradicts(tmp_path):
     assert apply_conventions(params, model, given=set()).pooling == "cls"
     assert apply_conventions(params, model, given={"pooling"}, force=True).pooling == "mean"
     with pytest.raises(UsageError, match=r"^pooling mean contradicts the model's sentence-transformers files "
-                                         r"\(pooling cls, in .*\): drop it to use the model's, or pass --force-pooling$"):
+                                         r"\(pooling cls, in .*\): drop it to use the model's, "
+                                         r"or pass --force-pooling$"):
         apply_conventions(params, model, given={"pooling"})
     with pytest.raises(UsageError, match=r"^normalize true contradicts .*\(normalize false"):
         apply_conventions(EngineParams(max_batch=4, max_seq_len=32, normalize=True, pooling="cls"), model,
