@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
+from pathlib import Path
 
 import pytest
 import requests
@@ -23,6 +24,8 @@ from builder.matrix import load_matrix
 from builder.plan import make_plan
 from builder.registry.api import ACCEPT
 from tests.integration.conftest import STATE, copy_matrix
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.integration
 VARIANT = "minilm-embed:cpu"
@@ -75,6 +78,11 @@ def test_a_stage_layer_comes_back_from_the_registry_cache(docker_cli, tmp_path, 
         lines: list[str] = []
         builder = Builder(matrix, plan.variants, options, log=lines.append, docker=docker_cli)
         stage_tag = ""
+        # The shipped runtime first (its base stage with it): on a cold daemon they are built here, and their
+        # layer records, held by their images, stay whatever is pruned: they belong to BEFORE.
+        shipped = BuildOptions(state_dir=STATE, templates=REPO / "templates", ca_bundle=default_ca_bundle(),
+                               find_links=default_find_links())
+        Builder(matrix, plan.variants, shipped, log=lines.append, docker=docker_cli).runtime(variant)
         before = set(_cache_records())
         try:
             first = builder.runtime(variant).runtime
