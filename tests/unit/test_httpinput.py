@@ -73,6 +73,9 @@ def test_entities_that_pass(headers, length):
      "the body must be UTF-8 JSON (charset=utf-8)"),
     (entity(content_type=b"application/json; charset=latin-1"), 415, "unsupported_media_type",
      "the body must be UTF-8 JSON (charset=utf-8)"),
+    # the parameter's name is what comes before its first "=": this charset is "latin-1=utf-8", not utf-8
+    (entity(content_type=b"application/json; charset=latin-1=utf-8"), 415, "unsupported_media_type",
+     "the body must be UTF-8 JSON (charset=utf-8)"),
     (entity(content_encoding=b"gzip"), 415, "unsupported_encoding",
      "Content-Encoding is not supported; send the JSON body as it is"),
     (entity(content_encoding=b"identity, br"), 415, "unsupported_encoding",
