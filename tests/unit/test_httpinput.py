@@ -73,6 +73,8 @@ def test_entities_that_pass(headers, length):
      "the body must be UTF-8 JSON (charset=utf-8)"),
     (entity(content_type=b"application/json; charset=latin-1"), 415, "unsupported_media_type",
      "the body must be UTF-8 JSON (charset=utf-8)"),
+    (entity(content_type=b"application/json; boundary=x; charset=latin-1"), 415, "unsupported_media_type",
+     "the body must be UTF-8 JSON (charset=utf-8)"),  # every parameter is read, not only the first
     # the parameter's name is what comes before its first "=": this charset is "latin-1=utf-8", not utf-8
     (entity(content_type=b"application/json; charset=latin-1=utf-8"), 415, "unsupported_media_type",
      "the body must be UTF-8 JSON (charset=utf-8)"),

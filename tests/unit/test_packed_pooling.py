@@ -206,3 +206,15 @@ def test_the_output_is_float32_whatever_the_body_dtype():
     assert out.dtype == torch.float32 and torch.equal(out, torch.tensor([[3.0, 0.5, -1.0], [7.0, 0.0, -1.0]]))
     out = PackedEmbeddingModule(FakeBody(dtype=torch.bfloat16), "cls", normalize=False)(*pack([[2, 4], [7]]))
     assert out.dtype == torch.float32
+
+
+def test_a_windowed_block_mask_keeps_real_keys_within_reach_only():
+    """Two sequences (3 and 1 tokens); reach 1: each query sees its neighbours, never a padded key."""
+    pack_ = Pack(torch.tensor([3, 1], dtype=torch.int32), torch.zeros(1, 4, dtype=torch.long),
+                 torch.zeros(3, dtype=torch.int8), dense=False)
+    got = pack_.block_mask(causal=False, reach=1)[:, 0].tolist()
+    assert got == [[[True, True, False], [True, True, True], [False, True, True]],
+                   [[True, False, False], [True, False, False], [False, False, False]]]  # padded rows: unused
+    causal = pack_.block_mask(causal=True, reach=1)[0, 0].tolist()
+    assert causal == [[True, False, False], [True, True, False], [False, True, True]]
+    assert pack_.block_mask(causal=False)[:, 0].tolist() == [[[True, True, True]], [[True, False, False]]]  # real keys
