@@ -26,6 +26,7 @@ import math
 import multiprocessing
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -56,11 +57,14 @@ def parse_args(argv=None):
     p.add_argument("--format", choices=("float", "base64"), default="float")
     p.add_argument("--serve-args", default="", help="more flags for serve, e.g. '--max-wait-ms 0'")
     p.add_argument("--variants", default="", help="NAME=SERVE_ARGS;NAME=SERVE_ARGS...: more servers of this "
-                   "runtime with other flags, each timed on every case")
+                   "runtime with other flags, each timed on every case; a NAME starting 'old' serves --old-runtime "
+                   "(interleave them: the order of servers in one run shows in the figures)")
     p.add_argument("--old-runtime", default=None, help="a checkout whose builder/runtime is also served")
     p.add_argument("--port", type=int, default=18090)
     p.add_argument("--compile-graphs", default=None, help="MOPT_CUDA_GRAPHS for the compile step (its "
                    "fresh-process load check)")
+    p.add_argument("--py-spy", default="", help="CASE (e.g. 32x1): record the first server's processes with "
+                   "py-spy (on-CPU samples, folded stacks) through that case, into OUT/pyspy_CASE.txt")
     p.add_argument("--latency", action="store_true", help="also time single engine calls with and without "
                    "CUDA graphs (in-process)")
     return p.parse_args(argv)
@@ -245,6 +249,44 @@ def load(port: int, texts: list[str], lengths: list[int], clients: int, inputs: 
                                                                                  int(len(lat) * 0.99))] * 1000, 2)}
 
 
+def thread_cpu(pid: int) -> dict:
+    """CPU seconds of every thread of pid and its children: {"pid/tid name": seconds} (/proc, Linux)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    try:
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    for p in pids:
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[f"{p}/{task.name} {name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busiest(before: dict, after: dict, wall: float, top: int = 6) -> list:
+    """The threads that used most CPU between two thread_cpu() readings, as shares of wall time."""
+    used = sorted(((after[k] - before.get(k, 0.0)) / wall, k) for k in after)
+    return [[k, round(share, 3)] for share, k in reversed(used[-top:]) if share > 0.01]
+
+
+def py_spy(pid: int, seconds: float, out: Path):
+    """py-spy recording pid and its children for seconds (None when py-spy is not there)."""
+    near = [Path(sys.executable).parent / "py-spy", *(Path(d) / "bin" / "py-spy" for d in sys.path)]
+    exe = shutil.which("py-spy") or next((str(p) for p in near if p.exists()), None)
+    if exe is None:
+        print("py-spy not found: no profile", flush=True)
+        return None
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--subprocesses", "--rate", "250", "--threads",
+                             "--duration", str(int(seconds)), "--format", "raw", "--nonblocking", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def scrape(port: int) -> dict:
     """Batch count and size, and the engine's running seconds, from the server's /metrics (the old
     server has no engine seconds)."""
@@ -316,10 +358,10 @@ def main(argv=None) -> int:
     print(json.dumps(res["raw"]), flush=True)
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",") if c]
     servers = [("mopt", a.serve_args.split(), None)]
-    for item in filter(None, a.variants.split(";")):
+    for item in filter(None, a.variants.split(";")):  # a name starting "old" serves --old-runtime
         name, _, args = item.partition("=")
-        servers.append((name, args.split(), None))
-    if a.old_runtime:
+        servers.append((name, args.split(), str(Path(a.old_runtime).resolve()) if name.startswith("old") else None))
+    if a.old_runtime and not any(name.startswith("old") for name, _, _ in servers):
         servers.append(("old", a.serve_args.split(), str(Path(a.old_runtime).resolve())))
     res["served"] = {}
     for k, (name, extra, path) in enumerate(servers):
@@ -327,9 +369,16 @@ def main(argv=None) -> int:
         rows = {"ready_s": ready, "serve_args": extra}
         try:
             for clients, inputs in cases:
-                before, t0 = scrape(a.port + k), time.monotonic()
+                case = f"{clients}x{inputs}"
+                spy = py_spy(proc.pid, a.warmup + a.duration, out / f"pyspy_{case}.txt") \
+                    if k == 0 and case in a.py_spy.split(",") else None
+                before, t0, cpu0 = scrape(a.port + k), time.monotonic(), thread_cpu(proc.pid)
                 row = load(a.port + k, texts, lengths, clients, inputs, a)
                 after, wall = scrape(a.port + k), time.monotonic() - t0
+                row["busiest_threads"] = busiest(cpu0, thread_cpu(proc.pid), wall)
+                if spy is not None:
+                    spy.wait(60)
+                    row["py_spy"] = spy.stderr.read()[-300:]
                 calls = after.get("mopt_batch_size_count", 0) - before.get("mopt_batch_size_count", 0)
                 if calls:
                     row["mean_batch"] = round((after["mopt_batch_size_sum"] - before["mopt_batch_size_sum"]) / calls, 1)

@@ -209,7 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                   help="request bodies in flight, all requests together, reserved from Content-Length before a body "
                        "is read; beyond: 503 with Retry-After (docs/server.md: the memory formula)")
     _env_argument(s, "serve", "--tokenizer-threads", "MOPT_TOKENIZER_THREADS", type=int, default=2,
-                  help="threads that parse and tokenize large requests (small ones run on the event loop)")
+                  help="threads that parse and tokenize requests past --inline-body-bytes")
+    _env_argument(s, "serve", "--inline-body-bytes", "MOPT_INLINE_BODY_BYTES", type=int, default=0,
+                  help="bodies up to this size are parsed and tokenized on the event loop, larger ones in the "
+                       "tokenizer threads; 0: all in the threads (docs/server.md: the measured effect)")
     _env_argument(s, "serve", "--header-timeout", "MOPT_HEADER_TIMEOUT", type=float, default=10.0,
                   help="seconds from a connection's start (or a keep-alive request's first byte) to the end of "
                        "its headers; 408 and close beyond")
@@ -298,6 +301,7 @@ def http_options(a):
                        request_timeout_s=a.request_timeout, idle_timeout_s=a.idle_timeout,
                        header_timeout_s=a.header_timeout, drain_timeout_s=a.drain_timeout,
                        max_inflight_bytes=a.max_inflight_bytes, tokenizer_threads=a.tokenizer_threads,
+                       inline_body_bytes=a.inline_body_bytes,
                        json_logs=a.log_format == "json")
 
 

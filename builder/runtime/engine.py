@@ -79,6 +79,13 @@ class Engine:
     @classmethod
     def from_info(cls, out_dir: str | Path, info: dict, params: EngineParams | None = None) -> Engine:
         params = params or EngineParams.from_dict(info["params"])
+        if params.device == "cuda":
+            import torch
+
+            # A GPU engine's CPU work is small copies and index writes. With intra-op threads each one
+            # wakes OpenMP's pool, whose threads then spin (measured on a 16-core H200 host: 15 threads at
+            # about 50% CPU each), taking the cores the HTTP process and its clients need.
+            torch.set_num_threads(1)
         run = get_backend(params.backend).load(Path(out_dir) / fingerprint.ENGINE_SUBDIR, params)
         return cls(params, engine_encoder(out_dir, params), run, info)
 

@@ -12,7 +12,7 @@ Content-Length (411 without, 413 past --max-body-bytes), then admission: the byt
 flight are held under --max-inflight-bytes, reserved from Content-Length before the body is read
 (beyond: 503 + Retry-After, the body never read). Then the body is read under its deadline, parsed as
 strict JSON (UTF-8, no duplicate keys, no NaN/Infinity), checked and tokenized (in a bounded thread
-pool past INLINE_BODY_BYTES, so a large request never holds the event loop), queued under the token
+pool past --inline-body-bytes, so a large request never holds the event loop), queued under the token
 budget (service.submit, 503 + Retry-After beyond) and awaited with the request's deadline while the
 client is watched: a client that leaves has its work dropped before the engine."""
 from __future__ import annotations
@@ -52,9 +52,6 @@ EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the engine worker is gone; a restart polic
 EXIT_ENGINE_STALLED = 71  # the engine worker stopped answering (heartbeat); the same restart is the cure
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# Bodies up to this size are parsed and tokenized on the event loop (a few hundred microseconds at most);
-# larger ones in the tokenizer pool, so a 4 MiB body never holds up the requests of other clients.
-INLINE_BODY_BYTES = 16 * 1024
 SHUTDOWN_MESSAGE = "the server is shutting down; retry on another replica"
 # The drain answers queued work with 503 this long before its end, keeping room for the engine call
 # under way (at least DRAIN_MARGIN_S, and twice the longest call seen, up to half the drain).
@@ -80,7 +77,12 @@ class HttpOptions:
     # Bytes of request bodies in flight, all requests together (reserved from Content-Length before the
     # body is read); a body alone may always be up to the service's max_body_bytes.
     max_inflight_bytes: int = 64 * 1024 * 1024
-    tokenizer_threads: int = 2  # the pool that parses and tokenizes large requests
+    tokenizer_threads: int = 2  # the pool that parses and tokenizes requests past inline_body_bytes
+    # Bodies up to this size are parsed and tokenized on the event loop: no handover to the pool and back.
+    # Larger ones go to the pool, so a 4 MiB body never holds up other clients' requests. 0 (the default):
+    # every body in the pool, where the fast tokenizer runs without the GIL while the loop serves HTTP;
+    # measured better or equal on the H200 and the 2-core CPU (docs/server.md).
+    inline_body_bytes: int = 0
     json_logs: bool = False
 
     def __post_init__(self) -> None:
@@ -95,6 +97,8 @@ class HttpOptions:
             raise UsageError("--max-connections and --tokenizer-threads must be >= 1, --max-header-bytes >= 1024")
         if min(self.request_timeout_s, self.header_timeout_s, self.idle_timeout_s, self.drain_timeout_s) <= 0:
             raise UsageError("--request-timeout, --header-timeout, --idle-timeout and --drain-timeout must be > 0")
+        if self.inline_body_bytes < 0:
+            raise UsageError("--inline-body-bytes must be >= 0")
         if self.max_inflight_bytes < 1:
             raise UsageError("--max-inflight-bytes must be >= 1")
 
@@ -319,7 +323,7 @@ class App:
         raw = await self._read_body(receive, length, deadline)
         service, route = self.service, req.path
         try:
-            if length <= INLINE_BODY_BYTES:
+            if length <= self.options.inline_body_bytes:
                 work = _prepare(service, route, raw)
             else:
                 work = await asyncio.get_running_loop().run_in_executor(self.pool, _prepare, service, route, raw)

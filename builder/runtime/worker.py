@@ -7,12 +7,13 @@ launch and the engine waits for it back. Two processes share no GIL (docs/perfor
 served-vs-raw figures). The worker answers each batch with the raw
 float32 bytes of the embeddings.
 
-Protocol over a multiprocessing pipe: the worker sends ("ready", engine_dir, engine.json) or
-("error", exit_code, message) once; then for each list of token-id lists it receives it answers
-("ok", bytes) or ("failed", message); None asks it to exit.
+Protocol over two one-way multiprocessing pipes (batches in, answers out): the worker sends
+("ready", engine_dir, engine.json) or ("error", exit_code, message) once; then for each list of token-id
+lists it receives it answers ("ok", bytes) or ("failed", message); None asks it to exit.
 """
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import signal
@@ -31,9 +32,21 @@ from .tokenization import TextEncoder
 
 ENGINE_CHECK_S = 0.5  # how often an idle worker checks its engine (a backend's server child)
 EXIT_ENGINE_CHILD_DIED = 70  # the worker's exit code when that child died (the server's watchdog logs it)
+# Each pipe's buffer (Linux's default is 64 KiB). An answer of 64 rows x 1,024 floats is 256 KiB: through a
+# 64 KiB pipe the worker's send waits for the server's receiver thread, which needs the GIL back between
+# reads while the event loop holds it, and the GPU idles meanwhile. 1 MiB (the unprivileged ceiling,
+# /proc/sys/fs/pipe-max-size) takes such an answer, or a batch of 64 x 2,048 token ids, in one write.
+PIPE_BYTES = 1 << 20
 
 
-def _worker_main(out_dir: str, conn) -> None:
+def _widen(conn) -> None:
+    try:
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (OSError, AttributeError):  # a lower pipe-max-size, or no F_SETPIPE_SZ: the default buffer
+        pass
+
+
+def _worker_main(out_dir: str, batches, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process handles Ctrl-C and SIGTERM
     # No TorchScript is served, but importing Inductor compiles torch.utils.mkldnn's script methods,
     # seconds of a start. Set before torch is imported.
@@ -53,12 +66,12 @@ def _worker_main(out_dir: str, conn) -> None:
     conn.send(("ready", str(engine_dir), data))
     while True:
         try:
-            while not conn.poll(ENGINE_CHECK_S):
+            while not batches.poll(ENGINE_CHECK_S):
                 if not engine.alive():  # a backend's server child died (vllm): so does this worker
                     print(f"mopt_runtime: the engine's server process exited with code {engine.exitcode}",
                           file=sys.stderr, flush=True)
                     os._exit(EXIT_ENGINE_CHILD_DIED)
-            seqs = conn.recv()
+            seqs = batches.recv()
         except EOFError:  # the server process is gone
             seqs = None
         if seqs is None:
@@ -84,9 +97,13 @@ class EngineProcess:
     def __init__(self, out_dir: str | Path):
         self.out_dir = str(out_dir)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(self.out_dir, child), name="mopt-engine", daemon=True)
-        self._child_conn = child
+        batches_in, self._conn = ctx.Pipe(duplex=False)  # this process sends batches on _conn
+        self._answers, answers_out = ctx.Pipe(duplex=False)  # and reads the worker's answers on _answers
+        for conn in (self._conn, self._answers):
+            _widen(conn)
+        self._proc = ctx.Process(target=_worker_main, args=(self.out_dir, batches_in, answers_out),
+                                 name="mopt-engine", daemon=True)
+        self._child_conns = (batches_in, answers_out)
         self.params: EngineParams | None = None
         self.encoder: TextEncoder | None = None
         self.info: dict = {}
@@ -97,12 +114,13 @@ class EngineProcess:
 
     def start(self) -> EngineProcess:
         self._proc.start()
-        self._child_conn.close()
-        while not self._conn.poll(0.5):
+        for conn in self._child_conns:
+            conn.close()
+        while not self._answers.poll(0.5):
             if not self._proc.is_alive():
                 raise RuntimeToolError(f"the engine process exited with code {self._proc.exitcode} while loading")
         try:
-            msg = self._conn.recv()
+            msg = self._answers.recv()
         except EOFError:
             raise RuntimeToolError("the engine process exited while loading") from None
         if msg[0] == "error":
@@ -159,7 +177,7 @@ class EngineProcess:
         dim = self.dim
         while True:
             try:
-                status, payload = self._conn.recv()
+                status, payload = self._answers.recv()
             except (EOFError, OSError):
                 err = self._gone()
                 with self._send_lock:
@@ -191,3 +209,4 @@ class EngineProcess:
                 self._proc.terminate()
                 self._proc.join(timeout)
         self._conn.close()
+        self._answers.close()

@@ -245,3 +245,29 @@ def test_bench_tiny_run_on_cpu(tmp_path):
     assert jit["mixed_first_pass_tok_s"] > 0 and engine["mixed_first_pass_tok_s"] > 0
     exported = res["jit[default/causal/dynamic/exported]"]  # the engines' exported graph, JIT-compiled
     assert (exported["graph"], exported["sdpa"]) == ("exported", "free") and exported["jit_tok_s"] > 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("device, threads", [("cuda", 1), ("cpu", None)])
+def test_a_gpu_engine_loads_with_one_intra_op_thread(monkeypatch, device, threads):
+    """A GPU engine's small CPU copies woke OpenMP's pool, whose threads then spun at ~50% CPU each on
+    the H200 host (docs/performance.md, runs 6-7): a cuda engine sets one intra-op thread, a cpu engine
+    keeps them all for its forward pass."""
+    import torch
+
+    from builder.runtime import engine as engine_module
+
+    class Backend:
+        def load(self, engine_dir, params):
+            return lambda ids, mask: None
+
+    monkeypatch.setattr(engine_module, "get_backend", lambda name: Backend())
+    monkeypatch.setattr(engine_module, "engine_encoder", lambda out_dir, params: None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = EngineParams(device=device, precision="bf16" if device == "cuda" else "fp32")
+        Engine.from_info("unused", {"params": params.to_dict()}, params)
+        assert torch.get_num_threads() == (threads or 2)
+    finally:
+        torch.set_num_threads(before)

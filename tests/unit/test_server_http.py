@@ -495,13 +495,14 @@ def test_the_token_budget_answers_503_with_retry_after(start):
 
 def test_large_requests_are_tokenized_off_the_event_loop(start):
     service = make_service()
-    running = start(service)
+    running = start(service, inline_body_bytes=16 * 1024)
     encoder = service.engine.encoder
     assert post(running.port, {"input": "x"})[0] == 200
     assert encoder.threads[-1] != threading.current_thread().name and not encoder.threads[-1].startswith(
         "mopt-tokenize")  # small: on the event loop's thread
     encoder.hold.clear()
-    big = in_thread(post, running.port, {"input": ["y" * 30] * 16, "user": "u" * (srv.INLINE_BODY_BYTES + 1)})
+    big = in_thread(post, running.port, {"input": ["y" * 30] * 16,
+                                         "user": "u" * (16 * 1024 + 1)})
     assert encoder.holding.wait(WAIT)
     assert encoder.threads[-1].startswith("mopt-tokenize")
     started = time.monotonic()  # a small request is answered while the large one is being tokenized
@@ -509,6 +510,16 @@ def test_large_requests_are_tokenized_off_the_event_loop(start):
     encoder.hold.set()
     big[0].join(WAIT)
     assert big[1]["result"][0] == 200
+
+
+def test_by_default_every_request_is_tokenized_in_the_pool(start):
+    running = start()
+    encoder = running.service.engine.encoder
+    assert post(running.port, {"input": "x"})[0] == 200
+    assert encoder.threads[-1].startswith("mopt-tokenize")
+    running = start(inline_body_bytes=64)
+    assert post(running.port, {"input": "x" * 10})[0] == 200  # a body of 17 bytes: on the loop
+    assert not running.service.engine.encoder.threads[-1].startswith("mopt-tokenize")
 
 
 def test_a_client_that_leaves_has_its_queued_work_dropped(start):
@@ -718,7 +729,8 @@ def serve_args(monkeypatch, argv, env=None):
     from builder.runtime import __main__ as cli
 
     for name in ("MOPT_API_KEY", "MOPT_API_KEY_FILE", "MOPT_METRICS_AUTH", "MOPT_CORS_ORIGINS", "MOPT_LOG_FORMAT",
-                 "MOPT_ENGINE_PROCESS", "MOPT_REQUEST_TIMEOUT", "MOPT_MAX_INFLIGHT_BYTES", "MOPT_HEADER_TIMEOUT"):
+                 "MOPT_ENGINE_PROCESS", "MOPT_REQUEST_TIMEOUT", "MOPT_MAX_INFLIGHT_BYTES", "MOPT_HEADER_TIMEOUT",
+                 "MOPT_INLINE_BODY_BYTES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in (env or {}).items():
         monkeypatch.setenv(name, value)
@@ -729,11 +741,11 @@ def test_http_options_from_flags_and_env(monkeypatch, tmp_path):
     cli, a = serve_args(monkeypatch, ["--cors-origins", "https://a.example, https://b.example", "--metrics-auth",
                                       "--request-timeout", "5", "--log-format", "json", "--header-timeout", "3",
                                       "--tokenizer-threads", "3"],
-                        {"MOPT_API_KEY": KEY, "MOPT_MAX_INFLIGHT_BYTES": str(32 << 20)})
+                        {"MOPT_API_KEY": KEY, "MOPT_MAX_INFLIGHT_BYTES": str(32 << 20), "MOPT_INLINE_BODY_BYTES": "0"})
     assert cli.http_options(a) == HttpOptions(
         api_key=KEY, metrics_auth=True, cors_origins=("https://a.example", "https://b.example"),
         request_timeout_s=5.0, header_timeout_s=3.0, tokenizer_threads=3, max_inflight_bytes=32 << 20,
-        json_logs=True)
+        json_logs=True, inline_body_bytes=0)
     (tmp_path / "key").write_text(f"  {KEY}\n")
     cli, a = serve_args(monkeypatch, [], {"MOPT_API_KEY_FILE": str(tmp_path / "key"), "MOPT_METRICS_AUTH": "0"})
     assert cli.http_options(a).api_key == KEY and cli.http_options(a).metrics_auth is False
@@ -749,6 +761,7 @@ def test_http_options_from_flags_and_env(monkeypatch, tmp_path):
     (["--header-timeout", "-1"], {}, "--header-timeout"),
     (["--max-inflight-bytes", "1000"], {}, "--max-inflight-bytes must be at least --max-body-bytes"),
     (["--tokenizer-threads", "0"], {}, "--tokenizer-threads"),
+    (["--inline-body-bytes", "-1"], {}, "--inline-body-bytes"),
 ])
 def test_http_options_usage_errors(monkeypatch, argv, env, message):
     from builder.runtime.errors import UsageError

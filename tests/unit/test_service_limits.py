@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -581,6 +582,7 @@ def test_a_broken_pipe_to_the_worker_waits_for_it_to_be_reaped():
 
     engine = object.__new__(EngineProcess)
     engine._conn, engine._proc = Conn(), Proc()
+    engine._answers = engine._conn
     engine._pending, engine._send_lock, engine._receiver, engine._broken = deque(), threading.Lock(), None, None
     engine.info = {"embedding_dim": 4}
     with pytest.raises(RuntimeError, match=r"exit code -9"):
@@ -785,3 +787,25 @@ def test_the_truncation_side_comes_from_the_tokenizer_config(tmp_path, config, s
     build_tokenizer().save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert TextEncoder(tmp_path, "mean").truncation_side == side
+
+
+@pytest.mark.timeout(30)
+def test_the_worker_pipes_take_a_whole_answer_in_one_write():
+    """An answer of 64 x 1,024 float32 (256 KiB) through Linux's default 64 KiB pipe made the worker wait
+    for the server's receiver thread: the pipes are widened to 1 MiB where the system allows it."""
+    import fcntl
+    import multiprocessing
+
+    from builder.runtime.worker import PIPE_BYTES, _widen
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    try:
+        _widen(writer)
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        assert fcntl.fcntl(reader.fileno(), fcntl.F_GETPIPE_SZ) == min(PIPE_BYTES, limit) >= 256 * 1024
+        os.set_blocking(writer.fileno(), False)
+        writer.send_bytes(bytes(256 * 1024))  # would raise BlockingIOError with the 64 KiB default
+        assert len(reader.recv_bytes()) == 256 * 1024
+    finally:
+        reader.close()
+        writer.close()

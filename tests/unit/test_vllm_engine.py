@@ -236,7 +236,7 @@ def test_worker_exits_when_its_engines_server_child_dies(fake_worker_engine, mon
 
     monkeypatch.setattr(worker.os, "_exit", fake_exit)
     parent, child = multiprocessing.Pipe()
-    thread = threading.Thread(target=lambda: pytest.raises(SystemExit, worker._worker_main, "/engine", child),
+    thread = threading.Thread(target=lambda: pytest.raises(SystemExit, worker._worker_main, "/engine", child, child),
                               daemon=True)
     thread.start()
     assert _ready(parent) == "ready"
@@ -250,7 +250,7 @@ def test_worker_closes_its_engine_when_told_to_stop(fake_worker_engine):
 
     run = fake_worker_engine
     parent, child = multiprocessing.Pipe()
-    thread = threading.Thread(target=worker._worker_main, args=("/engine", child), daemon=True)
+    thread = threading.Thread(target=worker._worker_main, args=("/engine", child, child), daemon=True)
     thread.start()
     assert _ready(parent) == "ready"
     parent.send(None)
