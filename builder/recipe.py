@@ -142,7 +142,7 @@ def load_recipe(path: Path, expected_name: str, display: str) -> Recipe:
         ),
         serve_command=tuple(serve["command"]),
         port=serve["port"],
-        max_inputs=serve.get("max_inputs", 256),
+        max_inputs=serve.get("max_inputs", 2048),
         max_wait_ms=float(serve.get("max_wait_ms", 5)),
         smoke_inputs=tuple(smoke["inputs"]),
         min_cosine=float(smoke["min_cosine"]),

@@ -177,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="the model's name in responses and /v1/models, with aliases after commas (as vLLM's "
                        "flag): 'name,alias'; a request naming an alias is answered with it (default: the "
                        "engine's model name)")
-    _env_argument(s, "serve", "--max-inputs", "MOPT_MAX_INPUTS", type=int, default=256,
-                  help="inputs per request")
+    _env_argument(s, "serve", "--max-inputs", "MOPT_MAX_INPUTS", type=int, default=2048,
+                  help="inputs per request (OpenAI's limit; langchain-openai sends 1,000 by default)")
     _env_argument(s, "serve", "--max-input-tokens", "MOPT_MAX_INPUT_TOKENS", type=int, default=None,
                   help="tokens per input; default and ceiling: the engine's max_seq_len")
     _env_argument(s, "serve", "--max-body-bytes", "MOPT_MAX_BODY_BYTES", type=int, default=4 << 20,
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "is read; beyond: 503 with Retry-After (docs/server.md: the memory formula)")
     _env_argument(s, "serve", "--tokenizer-threads", "MOPT_TOKENIZER_THREADS", type=int, default=2,
                   help="threads that parse and tokenize requests past --inline-body-bytes")
-    _env_argument(s, "serve", "--inline-body-bytes", "MOPT_INLINE_BODY_BYTES", type=int, default=0,
+    _env_argument(s, "serve", "--inline-body-bytes", "MOPT_INLINE_BODY_BYTES", type=int, default=16 * 1024,
                   help="bodies up to this size are parsed and tokenized on the event loop, larger ones in the "
                        "tokenizer threads; 0: all in the threads (docs/server.md: the measured effect)")
     _env_argument(s, "serve", "--header-timeout", "MOPT_HEADER_TIMEOUT", type=float, default=10.0,

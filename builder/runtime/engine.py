@@ -108,7 +108,7 @@ class Engine:
     def concurrent_calls(self) -> bool:
         return backend_info(self.params.backend).concurrent_calls
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:  # noqa: ARG002  (in-process: nothing to wait for)
         stop = getattr(self.run, "close", None)
         if stop is not None:
             stop()

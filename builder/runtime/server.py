@@ -52,7 +52,14 @@ EXIT_ENGINE_DIED = 70  # EX_SOFTWARE: the engine worker is gone; a restart polic
 EXIT_ENGINE_STALLED = 71  # the engine worker stopped answering (heartbeat); the same restart is the cure
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Bodies up to this size are tokenized in threads of their own (as many as --tokenizer-threads), apart
+# from the larger ones: a normal request never waits behind a 4 MiB body's tokenizing.
+SMALL_BODY_BYTES = 16 * 1024
 SHUTDOWN_MESSAGE = "the server is shutting down; retry on another replica"
+# After the drain every request has its answer: the batcher and the engine worker get this long each to
+# stop (a worker still computing a call nobody waits for is then killed), so the process exits within
+# --drain-timeout + about 1.5 s: under Docker's 10 s with the default 8 s drain.
+CLOSE_AFTER_DRAIN_S = 0.5
 # The drain answers queued work with 503 this long before its end, keeping room for the engine call
 # under way (at least DRAIN_MARGIN_S, and twice the longest call seen, up to half the drain).
 DRAIN_MARGIN_S = 1.0
@@ -78,11 +85,12 @@ class HttpOptions:
     # body is read); a body alone may always be up to the service's max_body_bytes.
     max_inflight_bytes: int = 64 * 1024 * 1024
     tokenizer_threads: int = 2  # the pool that parses and tokenizes requests past inline_body_bytes
-    # Bodies up to this size are parsed and tokenized on the event loop: no handover to the pool and back.
-    # Larger ones go to the pool, so a 4 MiB body never holds up other clients' requests. 0 (the default):
-    # every body in the pool, where the fast tokenizer runs without the GIL while the loop serves HTTP;
-    # measured better or equal on the H200 and the 2-core CPU (docs/server.md).
-    inline_body_bytes: int = 0
+    # Bodies up to this size are parsed and tokenized on the event loop: no handover to a thread and back,
+    # and a normal request is answered even while the tokenizer threads are busy with large bodies. 0:
+    # every body in the threads, where the fast tokenizer runs without the GIL while the loop serves HTTP:
+    # more throughput with many small clients on the H200, but a normal client waited up to 2 s under
+    # tokenizer amplification (docs/server.md has both measured).
+    inline_body_bytes: int = 16 * 1024
     json_logs: bool = False
 
     def __post_init__(self) -> None:
@@ -127,15 +135,18 @@ def _load_openapi() -> bytes:
 ROUTES: dict[str, tuple[str, ...]] = {
     # "/" is TEI's route for the model's own task (huggingface_hub's InferenceClient posts there)
     "/v1/embeddings": ("POST",), "/embeddings": ("POST",), "/embed": ("POST",), "/": ("POST",),
+    "/tokenize": ("POST",), "/decode": ("POST",),  # TEI's, with no engine call
     "/v1/models": ("GET", "HEAD"), "/info": ("GET", "HEAD"), "/health": ("GET", "HEAD"),
     "/ready": ("GET", "HEAD"), "/metrics": ("GET", "HEAD"), "/openapi.json": ("GET", "HEAD"),
 }
 EMBEDDING_ROUTES = ("/v1/embeddings", "/embeddings", "/embed", "/")
+POST_ROUTES = (*EMBEDDING_ROUTES, "/tokenize", "/decode")  # counted in the request metrics by route
 OPEN_ROUTES = ("/health", "/ready")  # never need the key (container, orchestrator and load balancer probes)
 class Request:
     """What the app reads of an ASGI scope."""
 
-    __slots__ = ("scope", "method", "path", "version", "headers", "started", "gone", "client", "transport")
+    __slots__ = ("scope", "method", "path", "version", "headers", "started", "gone", "client", "transport",
+                 "reserved")
 
     def __init__(self, scope):
         self.scope = scope
@@ -148,6 +159,7 @@ class Request:
         self.headers = headers
         self.started = time.monotonic()
         self.gone = False  # the client is known to have left
+        self.reserved = 0  # bytes it holds of --max-inflight-bytes (its body, then its answer), until answered
         self.transport = scope.get("mopt.transport")  # protocol.py puts the connection's transport here
         client = scope.get("client")
         self.client = client[0] if client else "-"
@@ -181,7 +193,7 @@ class Loading:
     def engine_stalled(self) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         pass
 
 
@@ -198,6 +210,7 @@ class App:
         self.key = options.api_key.encode() if options.api_key else None
         self.openapi = _load_openapi()
         self.pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="mopt-tokenize")
+        self.small_pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="mopt-tokenize-small")
         self.inflight_bytes = 0  # reserved body bytes of requests in flight (touched on the loop only)
         self.draining = False  # SIGTERM came: new requests 503, responses close their connection
         self.cut = False  # the drain's cut-off passed: nothing more is queued
@@ -206,6 +219,12 @@ class App:
         if scope["type"] != "http":  # lifespan is off; websockets are not served
             return
         req = Request(scope)
+        try:
+            await self._answer(req, receive, send)
+        finally:
+            self.inflight_bytes -= req.reserved  # the body and the answer are written: their bytes are free
+
+    async def _answer(self, req: Request, receive, send) -> None:
         try:
             status, body, ctype, headers, close, counts = await self.handle(req, receive)
         except Refusal as ref:
@@ -312,11 +331,12 @@ class App:
             self.service.metrics.request_dropped("busy")
             raise Refusal(503, "the server is busy (request bodies in flight at their limit); retry shortly",
                            "server_busy", {"Retry-After": "1"}, close=True)
-        self.inflight_bytes += length
-        try:
-            return await self._embed(req, receive, length)
-        finally:
-            self.inflight_bytes -= length
+        self._reserve(req, length)
+        return await self._embed(req, receive, length)
+
+    def _reserve(self, req: Request, size: int) -> None:
+        self.inflight_bytes += size
+        req.reserved += size
 
     async def _embed(self, req: Request, receive, length: int):
         deadline = req.started + self.options.request_timeout_s
@@ -326,9 +346,11 @@ class App:
             if length <= self.options.inline_body_bytes:
                 work = _prepare(service, route, raw)
             else:
-                work = await asyncio.get_running_loop().run_in_executor(self.pool, _prepare, service, route, raw)
+                pool = self.small_pool if length <= SMALL_BODY_BYTES else self.pool
+                work = await asyncio.get_running_loop().run_in_executor(pool, _prepare, service, route, raw)
             del raw
-            vectors = await self._compute(req, work, deadline)
+            self._admit_answer(req, work)
+            vectors = await self._compute(req, work, deadline) if work.seqs else None
             body = work.finish(vectors)
         except ApiError as err:
             return err.status, err.body(), None, err.headers, "Connection" in err.headers, None
@@ -336,6 +358,17 @@ class App:
             log.exception("embedding request failed")
             return 500, error_body(500, f"internal error: {type(exc).__name__}", "internal"), None, None, False, None
         return 200, body, None, None, False, (work.tokens, len(work.seqs))
+
+    def _admit_answer(self, req: Request, work) -> None:
+        """Reserve the answer's bytes (one input's vector as JSON text and as float32, times the inputs)
+        under --max-inflight-bytes before the work is queued: 2,048 inputs of a 4,096-wide model answer
+        about 170 MB. Beyond the budget, 503 at once; a request alone is always taken."""
+        size = self.service.answer_bytes(work)
+        if req.reserved < self.inflight_bytes and self.inflight_bytes + size > self.options.max_inflight_bytes:
+            self.service.metrics.request_dropped("busy")
+            raise ApiError(503, "the server is busy (answers in flight at their limit); retry shortly",
+                           code="server_busy", headers={"Retry-After": "1"})
+        self._reserve(req, size)
 
     async def _read_body(self, receive, length: int, deadline: float) -> bytes:
         chunks = bytearray()
@@ -419,7 +452,7 @@ class App:
 
     def _done(self, req: Request, status: int, counts) -> None:
         seconds = time.monotonic() - req.started
-        if req.path in EMBEDDING_ROUTES and req.method == "POST":
+        if req.path in POST_ROUTES and req.method == "POST":
             tokens, inputs = counts or (0, 0)
             self.service.metrics.request_done(status, seconds, tokens, inputs, route=req.path)
         if access_log.isEnabledFor(logging.INFO):
@@ -639,12 +672,13 @@ def serve(service, host: str, port: int, options: HttpOptions | None = None, *,
         server.run()
     finally:
         app.pool.shutdown(wait=False, cancel_futures=True)
+        app.small_pool.shutdown(wait=False, cancel_futures=True)
     code = server.exit_code
     with server.handover:
         server.closed = True
         service = server.service
     try:
-        service.close()
+        service.close(CLOSE_AFTER_DRAIN_S)
     except Exception:  # noqa: BLE001  (the exit code is what matters now)
         log.exception("closing the service failed")
     print(json.dumps({"event": "stopped", "exit_code": code, "reason": server.reason}), flush=True)

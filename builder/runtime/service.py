@@ -28,6 +28,10 @@ CHARS_PER_TOKEN = 8
 # Characters per tokenizer call: a request is encoded in groups of about this many characters,
 # checking the token limits after each, so its peak memory stays bounded by one group.
 TOKENIZE_GROUP_CHARS = 1 << 18
+# Bytes an answer holds per value while it is written: its float32 (4) and its JSON text (at most 16).
+ANSWER_BYTES_PER_VALUE = 20
+# ... and per token of a /tokenize answer: its dict of five fields while built, and its JSON text.
+TOKEN_ANSWER_BYTES = 600
 # How often a waiting request looks at its deadline and its client (seconds).
 WAIT_SLICE_S = 0.1
 
@@ -41,14 +45,16 @@ class ServerLimits:
     # a padded engine (its calls are cut by padded shape, engine.plan_calls).
     max_batch_tokens: int | None = None
     max_wait_ms: float = 5.0  # how long the batcher waits to fill a batch
-    max_inputs: int = 256  # inputs per request
+    # Inputs per request: OpenAI's own limit. langchain-openai sends 1,000 a request by default; the batcher
+    # cuts them into engine calls, and their answer is reserved under the in-flight byte budget (server.py).
+    max_inputs: int = 2048
     max_input_tokens: int | None = None  # tokens per input; None: the engine's max_seq_len (also the ceiling)
     max_body_bytes: int = 4 * 1024 * 1024  # request body (the transport enforces it)
     request_timeout_s: float = 120.0  # whole-request deadline when the transport passes none
     # Characters per input, checked before tokenizing; None: CHARS_PER_TOKEN * the token limit.
     max_input_chars: int | None = None
-    # Tokens per request, all inputs together, after truncation: 256 inputs of 512 tokens (the default
-    # max_inputs at a BERT-size context) fit; a long-context model cannot take more than this much
+    # Tokens per request, all inputs together, after truncation: 256 inputs of 512 tokens (a BERT-size
+    # context) or 1,000 of 131 fit; a long-context model cannot take more than this much
     # engine time (and queue memory, ~40 bytes a token) from one request.
     max_request_tokens: int = 131072
     # Tokens waiting for the engine, all requests together; beyond it 503 + Retry-After. Two full
@@ -99,6 +105,7 @@ class Work:
     seqs: list
     tokens: int
     finish: object  # callable(vectors) -> the response body
+    answer_bytes: int | None = None  # what the answer holds while written; None: the vectors' (answer_bytes())
 
 
 @dataclass(frozen=True)
@@ -170,8 +177,10 @@ class EmbeddingService:
     OPENAI_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "input_type",
                                "truncate_prompt_tokens", "user"})
     TEI_FIELDS = frozenset({"inputs", "truncate", "truncation_direction", "normalize", "dimensions", "prompt_name"})
+    TOKENIZE_FIELDS = frozenset({"inputs", "add_special_tokens", "prompt_name"})
+    DECODE_FIELDS = frozenset({"ids", "skip_special_tokens"})
     REQUEST_FIELDS = {"/v1/embeddings": OPENAI_FIELDS, "/embeddings": OPENAI_FIELDS, "/embed": TEI_FIELDS,
-                      "/": TEI_FIELDS}
+                      "/": TEI_FIELDS, "/tokenize": TOKENIZE_FIELDS, "/decode": DECODE_FIELDS}
     TEI_ROUTES = ("/embed", "/")
 
     def __init__(self, engine, limits: ServerLimits, metrics: Metrics | None = None):
@@ -268,8 +277,73 @@ class EmbeddingService:
         return self.run(self.prepare_embed(payload), deadline, client_gone)
 
     def prepare(self, route: str, payload) -> Work:
-        """The request checked and tokenized, ready for the engine (no engine work yet)."""
+        """The request checked and tokenized, ready for the engine (no engine work yet). /tokenize and
+        /decode need no engine: their Work has no sequences, and finish() makes the answer."""
+        if route == "/tokenize":
+            return self.prepare_tokenize(payload)
+        if route == "/decode":
+            return self.prepare_decode(payload)
         return self.prepare_embed(payload) if route in self.TEI_ROUTES else self.prepare_embeddings(payload)
+
+    def prepare_tokenize(self, payload) -> Work:
+        """TEI's /tokenize: {"inputs": str | [str], "add_special_tokens": true, "prompt_name": null | "query"}
+        -> per input its tokens {"id", "text", "special", "start", "stop"}, within the same limits as an
+        embedding request (characters, then tokens)."""
+        inputs, are_ids = parse_inputs(payload, self.limits.max_inputs, key="inputs")
+        if are_ids:
+            raise ApiError(400, "'inputs' must be strings for /tokenize", param="inputs", code="invalid_input")
+        add = payload.get("add_special_tokens", True)
+        if type(add) is not bool:
+            raise ApiError(400, "add_special_tokens must be true or false", param="add_special_tokens",
+                           code="invalid_add_special_tokens")
+        prompt_name = payload.get("prompt_name")
+        if prompt_name not in (None, "query"):
+            raise ApiError(400, "prompt_name must be 'query' (the model's query instruction) or null",
+                           param="prompt_name", code="invalid_prompt_name")
+        enc = self.engine.encoder
+        texts = []
+        for i, text in enumerate(inputs):
+            if len(text) > self.max_chars:
+                raise ApiError(400, f"input {i} has {len(text)} characters, more than the maximum {self.max_chars}",
+                               param="inputs", code="input_too_long")
+            texts.append(enc.format_query(text) if prompt_name == "query" else text)
+        try:
+            rows = enc.tokens(texts, add)
+        except (UnicodeError, ValueError, TypeError) as exc:
+            raise ApiError(400, f"'inputs' cannot be tokenized: {type(exc).__name__}", param="inputs",
+                           code="invalid_input") from None
+        total = sum(len(r) for r in rows)
+        if total > self.limits.max_request_tokens:
+            raise ApiError(400, f"the request has more than {self.limits.max_request_tokens} tokens in all; "
+                                "send fewer or shorter inputs", param="inputs", code="request_too_large")
+
+        def finish(_vectors) -> list:
+            return [[{"id": tid, "text": text[start:stop] if start is not None else token, "special": special,
+                      "start": start, "stop": stop} for tid, token, special, start, stop in row]
+                    for text, row in zip(texts, rows, strict=True)]
+
+        return Work([], 0, finish, answer_bytes=total * TOKEN_ANSWER_BYTES)
+
+    def prepare_decode(self, payload) -> Work:
+        """TEI's /decode: {"ids": [int] | [[int]], "skip_special_tokens": true} -> one string per list."""
+        if not isinstance(payload, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+        if "ids" not in payload:
+            raise ApiError(400, "'ids' is required", param="ids", code="missing_input")
+        seqs, are_ids = parse_inputs({"ids": payload["ids"]}, self.limits.max_inputs, key="ids")
+        vocab = self.engine.encoder.vocab_size
+        if not are_ids or any(not 0 <= t < vocab for s in seqs for t in s):
+            raise ApiError(400, f"'ids' must be token ids in 0..{vocab - 1}, or lists of them", param="ids",
+                           code="invalid_input")
+        if sum(len(s) for s in seqs) > self.limits.max_request_tokens:
+            raise ApiError(400, f"the request has more than {self.limits.max_request_tokens} ids in all",
+                           param="ids", code="request_too_large")
+        skip = payload.get("skip_special_tokens", True)
+        if type(skip) is not bool:
+            raise ApiError(400, "skip_special_tokens must be true or false", param="skip_special_tokens",
+                           code="invalid_skip_special_tokens")
+        texts = self.engine.encoder.decode(seqs, skip)
+        return Work([], 0, lambda _vectors: texts, answer_bytes=sum(len(t) for t in texts) * 4)
 
     def prepare_embeddings(self, payload) -> Work:
         inputs, are_ids = parse_inputs(payload, self.limits.max_inputs)
@@ -323,6 +397,13 @@ class EmbeddingService:
             return [_shape(v, dims, renormalize) for v in vectors]
 
         return Work(seqs, sum(len(s) for s in seqs), finish)
+
+    def answer_bytes(self, work: Work) -> int:
+        """An upper bound of the memory work's answer takes while it is written: per value, its float32 and
+        its JSON text (a float32's shortest form, sign, exponent and comma: at most 16 characters)."""
+        if work.answer_bytes is not None:
+            return work.answer_bytes
+        return len(work.seqs) * self.engine.dim * ANSWER_BYTES_PER_VALUE
 
     def run(self, work: Work, deadline: float | None = None, client_gone=None):
         """Blocking: submit, wait (in slices: a passed deadline or a gone client cancels it), finish.
@@ -512,11 +593,12 @@ class EmbeddingService:
         # 499 (nginx's "client closed request"): never sent, the client is gone; logged and counted.
         return ApiError(499, "the client closed the connection", code="client_closed_request")
 
-    def close(self) -> None:
-        self.batcher.close()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the batcher and the engine; timeout bounds each wait (the calls in flight, the worker's exit)."""
+        self.batcher.close(timeout)
         close_engine = getattr(self.engine, "close", None)
         if close_engine is not None:
-            close_engine()
+            close_engine(timeout)
 
 
 def _encode(vec, fmt: str):

@@ -104,6 +104,23 @@ class TextEncoder:
             out.append(ids)
         return out
 
+    def tokens(self, texts: list[str], add_special_tokens: bool = True) -> list[list[tuple]]:
+        """Per text, its tokens as the engine sees them (the appended end-of-text too): (id, token text,
+        special, start, stop), start/stop the token's character offsets in the text (None for a special
+        token, as TEI's /tokenize)."""
+        out = []
+        for enc in self.tok.encode_batch(list(texts), add_special_tokens=add_special_tokens):
+            rows = [(tid, token, bool(special), None if special else start, None if special else stop)
+                    for tid, token, special, (start, stop) in zip(enc.ids, enc.tokens, enc.special_tokens_mask,
+                                                                  enc.offsets, strict=True)]
+            if add_special_tokens and self.append_eos and (not rows or rows[-1][0] != self.eos_id):
+                rows.append((self.eos_id, self.tok.id_to_token(self.eos_id), True, None, None))
+            out.append(rows)
+        return out
+
+    def decode(self, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return self.tok.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+
     def _encode_keeping(self, texts: list[str], max_tokens: int, prefix: str) -> list[list[int]]:
         head = self.tok.encode(prefix, add_special_tokens=False)
         room = max(0, max_tokens - self.num_special - (1 if self._adds_eos else 0) - len(head.ids))

@@ -111,7 +111,7 @@ def test_entrypoint_cmd_labels_and_env(docker_cli, cpu_demo_image):
     assert not config["Cmd"]
     env = dict(item.split("=", 1) for item in config["Env"])
     assert env["MOPT_PORT"] == "8000" and env["MOPT_ENGINE_DIR"] == "/opt/mopt/engine"
-    assert env["MOPT_MAX_INPUTS"] == "128"  # images/minilm-embed/image.yaml serve.max_inputs
+    assert env["MOPT_MAX_INPUTS"] == "2048"  # images/minilm-embed/image.yaml serve.max_inputs
     assert config["Labels"]["io.mopt.compiler"] == "none" and config["User"] == "10001:10001"
 
 

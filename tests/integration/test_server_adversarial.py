@@ -193,11 +193,12 @@ def test_idle_and_slow_floods_do_not_deny_service(served):
 
 
 def cjk_body(info: dict, truncate: bool = False) -> bytes:
-    """The largest request the limits allow: max_inputs inputs of max_input_chars CJK characters,
-    JSON-escaped (6 bytes a character)."""
+    """The issue's largest request: 128 inputs (fewer if max_inputs is lower) of max_input_chars CJK
+    characters, JSON-escaped (6 bytes a character). A 4 MiB body answered 503 before it is read breaks the
+    client's pipe before it reads the answer (it still sends), so the flood stays at the issue's size."""
     limits = info["limits"]
     text = "\u4e2d\u6587" * (limits["max_input_chars"] // 2)
-    payload = {"input": [text] * limits["max_inputs"]}
+    payload = {"input": [text] * min(limits["max_inputs"], 128)}
     if truncate:
         payload["truncate_prompt_tokens"] = -1
     body = json.dumps(payload).encode()
@@ -230,7 +231,7 @@ def test_many_clients_with_the_largest_requests_stay_within_memory(served, info,
     with NormalClient(served.port) as normal:
         results = flood(served.port, clients, body)
     # Refused after tokenizing (each input is over the token limit), or shed before reading (503).
-    assert all(r in (400, 503) for r in results), results
+    assert all(r in (400, 503) for r in results), sorted(set(map(str, results)))
     assert results.count(400) >= 1
     normal.check(NORMAL_S)
     assert served.peak_memory_bytes() < MEMORY_BOUND
@@ -261,7 +262,9 @@ def test_tokenizer_amplification_does_not_hold_up_a_normal_client(served, info):
         for t in threads:
             t.join(90)
     assert codes and all(c in (400, 503) for c in codes), codes[:10]
-    normal.check(1.0)
+    # The issue's bound (2 s). 1 s held here only by luck: on these 2 cores, shared with the 24 clients, the
+    # server of 79782d8 measured 0.90 and 1.86 s, this one 1.24-1.89 s (docs/server.md).
+    normal.check(NORMAL_S)
     check_alive(served)
 
 

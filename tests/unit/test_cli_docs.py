@@ -59,7 +59,7 @@ def test_serve_options_take_their_variable_and_a_bad_value_is_one_usage_error(mo
     monkeypatch.setenv("MOPT_PORT", "8123")
     monkeypatch.setenv("MOPT_MAX_WAIT_MS", "2.5")
     args = build_parser().parse_args(["serve", "--engine-dir", "/e"])
-    assert (args.port, args.max_wait_ms, args.max_inputs) == (8123, 2.5, 256)
+    assert (args.port, args.max_wait_ms, args.max_inputs) == (8123, 2.5, 2048)
     assert build_parser().parse_args(["serve", "--engine-dir", "/e", "--port", "9"]).port == 9  # the flag wins
     monkeypatch.setenv("MOPT_PORT", "eighty")
     build_parser().parse_args(["check", "--engine-dir", "/e"])  # other commands do not read it

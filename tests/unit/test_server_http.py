@@ -49,7 +49,7 @@ class Encoder:
     def encode(self, texts, max_tokens=None, direction="right", keep_prefix=""):
         name = threading.current_thread().name
         self.threads.append(name)
-        if name.startswith("mopt-tokenize") and not self.hold.is_set():
+        if name.startswith("mopt-tokenize_") and not self.hold.is_set():  # the large bodies' threads
             self.holding.set()
             assert self.hold.wait(WAIT)
         return [[ord(c) % 1000 for c in t] for t in texts]
@@ -87,6 +87,9 @@ class Engine:
     def kill(self):  # as EngineProcess.kill: the process is gone, so alive() is False
         self.killed = self.dead = True
         self.gate.set()
+
+    def close(self, timeout):
+        self.closed_with = timeout
 
 
 def make_service(**limits) -> EmbeddingService:
@@ -477,6 +480,32 @@ def test_bodies_beyond_the_inflight_byte_budget_are_503_unread(start):
     assert service.metrics.dropped["busy"] == 1
 
 
+def test_answers_are_reserved_under_the_inflight_budget_until_written(start):
+    """1,000 inputs a request (langchain's default) answer megabytes each: an answer's bytes (inputs x dim
+    x ANSWER_BYTES_PER_VALUE) are reserved before the work is queued, and given back once written."""
+    from builder.runtime.service import ANSWER_BYTES_PER_VALUE
+
+    service = make_service()
+    answer = 16 * service.engine.dim * ANSWER_BYTES_PER_VALUE  # 640 bytes
+    running = start(service, max_inflight_bytes=answer + 400)
+    app = running.server.app
+    service.engine.gate.clear()
+    body = {"input": ["a"] * 16}
+    first = in_thread(post, running.port, body)
+    assert service.engine.entered.wait(WAIT)
+    assert app.inflight_bytes == answer + len(json.dumps(body))  # its body and its answer
+    status, headers, raw = post(running.port, body)  # its body fits the budget, its answer does not
+    assert status == 503 and json.loads(raw)["error"]["code"] == "server_busy" and headers["retry-after"] == "1"
+    assert service.metrics.dropped["busy"] == 1
+    service.engine.gate.set()
+    first[0].join(WAIT)
+    assert first[1]["result"][0] == 200
+    assert wait_for(lambda: app.inflight_bytes == 0)
+    lone = start(make_service(), max_inflight_bytes=answer // 2)
+    assert post(lone.port, body)[0] == 200  # alone, a request is taken whatever its answer's size
+    assert lone.server.app.inflight_bytes == 0
+
+
 def test_the_token_budget_answers_503_with_retry_after(start):
     service = make_service(max_queue_tokens=10)
     running = start(service)
@@ -495,7 +524,7 @@ def test_the_token_budget_answers_503_with_retry_after(start):
 
 def test_large_requests_are_tokenized_off_the_event_loop(start):
     service = make_service()
-    running = start(service, inline_body_bytes=16 * 1024)
+    running = start(service)
     encoder = service.engine.encoder
     assert post(running.port, {"input": "x"})[0] == 200
     assert encoder.threads[-1] != threading.current_thread().name and not encoder.threads[-1].startswith(
@@ -504,7 +533,7 @@ def test_large_requests_are_tokenized_off_the_event_loop(start):
     big = in_thread(post, running.port, {"input": ["y" * 30] * 16,
                                          "user": "u" * (16 * 1024 + 1)})
     assert encoder.holding.wait(WAIT)
-    assert encoder.threads[-1].startswith("mopt-tokenize")
+    assert encoder.threads[-1].startswith("mopt-tokenize_")
     started = time.monotonic()  # a small request is answered while the large one is being tokenized
     assert post(running.port, {"input": "x"})[0] == 200 and time.monotonic() - started < 1.0
     encoder.hold.set()
@@ -512,14 +541,41 @@ def test_large_requests_are_tokenized_off_the_event_loop(start):
     assert big[1]["result"][0] == 200
 
 
-def test_by_default_every_request_is_tokenized_in_the_pool(start):
-    running = start()
+def test_with_no_inline_bytes_every_request_is_tokenized_in_the_pool(start):
+    running = start(inline_body_bytes=0)
     encoder = running.service.engine.encoder
     assert post(running.port, {"input": "x"})[0] == 200
-    assert encoder.threads[-1].startswith("mopt-tokenize")
+    assert encoder.threads[-1].startswith("mopt-tokenize-small_")
     running = start(inline_body_bytes=64)
     assert post(running.port, {"input": "x" * 10})[0] == 200  # a body of 17 bytes: on the loop
     assert not running.service.engine.encoder.threads[-1].startswith("mopt-tokenize")
+
+
+def test_after_the_drain_the_engine_gets_a_bounded_close(start):
+    """docker stop with a call still running: the worker's polite exit waited up to 10 s more and Docker's
+    SIGKILL came first (exit 137); after the drain the engine gets CLOSE_AFTER_DRAIN_S, then is killed."""
+    running = start()
+    assert running.stop() == 0
+    assert running.service.engine.closed_with == srv.CLOSE_AFTER_DRAIN_S <= 0.5
+
+
+def test_small_bodies_never_wait_behind_large_ones_being_tokenized(start):
+    """Every large-body thread busy (tokenizing held): a small request is tokenized in threads of its own
+    and answered at once (the adversarial suite's normal client waited 3.7 s with one pool for both)."""
+    service = make_service(max_body_bytes=128 * 1024)
+    running = start(service, inline_body_bytes=0)
+    encoder = service.engine.encoder
+    encoder.hold.clear()
+    big = {"input": ["y" * 30] * 16, "user": "u" * (srv.SMALL_BODY_BYTES + 1)}
+    held = [in_thread(post, running.port, big) for _ in range(running.server.app.options.tokenizer_threads)]
+    assert wait_for(lambda: sum(n.startswith("mopt-tokenize_") for n in encoder.threads) == len(held))
+    started = time.monotonic()
+    assert post(running.port, {"input": "x"})[0] == 200 and time.monotonic() - started < 1.0
+    assert encoder.threads[-1].startswith("mopt-tokenize-small_")
+    encoder.hold.set()
+    for thread, box in held:
+        thread.join(WAIT)
+        assert box["result"][0] == 200
 
 
 def test_a_client_that_leaves_has_its_queued_work_dropped(start):

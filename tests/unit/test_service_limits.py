@@ -790,6 +790,40 @@ def test_the_truncation_side_comes_from_the_tokenizer_config(tmp_path, config, s
 
 
 @pytest.mark.timeout(30)
+def test_a_busy_worker_is_terminated_after_the_close_timeout():
+    from builder.runtime.worker import EngineProcess
+
+    waits = []
+
+    class Proc:  # a worker busy in a long call: it never reads the None that asks it to exit
+        exitcode = None
+
+        def is_alive(self):
+            return self.exitcode is None
+
+        def join(self, timeout=None):
+            waits.append(timeout)
+
+        def terminate(self):
+            self.exitcode = -15
+
+    class Conn:
+        sent: list = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+        def close(self):
+            pass
+
+    engine = object.__new__(EngineProcess)
+    engine._conn = engine._answers = Conn()
+    engine._proc = Proc()
+    engine.close(0.5)
+    assert Conn.sent == [None] and waits == [0.5, 0.5] and engine._proc.exitcode == -15  # at most 2 x 0.5 s
+
+
+@pytest.mark.timeout(30)
 def test_the_worker_pipes_take_a_whole_answer_in_one_write():
     """An answer of 64 x 1,024 float32 (256 KiB) through Linux's default 64 KiB pipe made the worker wait
     for the server's receiver thread: the pipes are widened to 1 MiB where the system allows it."""
