@@ -60,11 +60,11 @@ def test_a_port_in_the_recipe_command_is_dropped():
 
 def test_serve_settings_reach_the_image_as_env_defaults(rendered):
     env = _instruction(rendered("minilm-embed:cpu")["Dockerfile.final"], "ENV")
-    # images/minilm-embed/image.yaml: port 8000, max_inputs 128, max_wait_ms 5
-    for pair in ("MOPT_ENGINE_DIR=/opt/mopt/engine", "MOPT_PORT=8000", "MOPT_MAX_INPUTS=128", "MOPT_MAX_WAIT_MS=5.0"):
+    # images/minilm-embed/image.yaml: port 8000, max_inputs 2048, max_wait_ms 5
+    for pair in ("MOPT_ENGINE_DIR=/opt/mopt/engine", "MOPT_PORT=8000", "MOPT_MAX_INPUTS=2048", "MOPT_MAX_WAIT_MS=5.0"):
         assert pair in env.split()
     qwen = rendered("qwen3-embed:cu130-sm90-aot")["Dockerfile.final"]
-    assert "MOPT_MAX_INPUTS=256 \\\n" in qwen and "MOPT_PORT=8000 \\\n" in qwen
+    assert "MOPT_MAX_INPUTS=2048 \\\n" in qwen and "MOPT_PORT=8000 \\\n" in qwen
 
 
 @pytest.mark.parametrize("variant_id", VARIANTS)
