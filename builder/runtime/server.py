@@ -88,8 +88,8 @@ class HttpOptions:
     # Bodies up to this size are parsed and tokenized on the event loop: no handover to a thread and back,
     # and a normal request is answered even while the tokenizer threads are busy with large bodies. 0:
     # every body in the threads, where the fast tokenizer runs without the GIL while the loop serves HTTP:
-    # more throughput with many small clients on the H200, but a normal client waited up to 2 s under
-    # tokenizer amplification (docs/server.md has both measured).
+    # more throughput with many small clients on the H200, but with one pool for every body a normal
+    # client waited 3.4-3.7 s under tokenizer amplification (docs/server.md has both measured).
     inline_body_bytes: int = 16 * 1024
     json_logs: bool = False
 

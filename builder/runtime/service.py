@@ -326,11 +326,7 @@ class EmbeddingService:
 
     def prepare_decode(self, payload) -> Work:
         """TEI's /decode: {"ids": [int] | [[int]], "skip_special_tokens": true} -> one string per list."""
-        if not isinstance(payload, dict):
-            raise ApiError(400, "request body must be a JSON object", code="invalid_body")
-        if "ids" not in payload:
-            raise ApiError(400, "'ids' is required", param="ids", code="missing_input")
-        seqs, are_ids = parse_inputs({"ids": payload["ids"]}, self.limits.max_inputs, key="ids")
+        seqs, are_ids = parse_inputs(payload, self.limits.max_inputs, key="ids")
         vocab = self.engine.encoder.vocab_size
         if not are_ids or any(not 0 <= t < vocab for s in seqs for t in s):
             raise ApiError(400, f"'ids' must be token ids in 0..{vocab - 1}, or lists of them", param="ids",
