@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from .batcher import Batcher, Dropped, QueueFull
 from .errors import UsageError
 from .metrics import Metrics
+from .tokenization import cut
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class Work:
 class Truncation:
     max_tokens: int
     direction: str  # "right": keep the start; "left": keep the end
+    # vLLM's explicit truncation_side: the whole encoding is cut, special tokens included (without it the
+    # text's tokens are cut and the special tokens kept, as transformers' truncation does)
+    whole: bool = False
 
 
 def parse_inputs(payload, max_inputs: int, key: str = "input") -> tuple[list, bool]:
@@ -148,10 +152,6 @@ def _optional_string(payload: dict, name: str) -> str | None:
     return value
 
 
-def _cut(seq, n: int, direction: str):
-    return seq[:n] if direction == "right" else seq[len(seq) - n:]
-
-
 def _shape(vec, dims: int | None, normalize: bool):
     """The first dims values (Matryoshka), then unit length again when normalize. vec: a list of floats,
     or a float32 row of the engine process's answer (kept as it is: orjson writes it directly)."""
@@ -175,7 +175,7 @@ class EmbeddingService:
     # The fields each route reads (openapi.json documents the same); the transport drops the others
     # right after parsing, so a large unknown field is not held for the request's life.
     OPENAI_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "input_type",
-                               "truncate_prompt_tokens", "user"})
+                               "truncate_prompt_tokens", "truncation_side", "user"})
     TEI_FIELDS = frozenset({"inputs", "truncate", "truncation_direction", "normalize", "dimensions", "prompt_name"})
     TOKENIZE_FIELDS = frozenset({"inputs", "add_special_tokens", "prompt_name"})
     DECODE_FIELDS = frozenset({"ids", "skip_special_tokens"})
@@ -434,14 +434,20 @@ class EmbeddingService:
         tokenizer_config.json; right, keeping the start, by default) as vLLM's renderer has the tokenizer
         cut (older vLLM kept the last k); -1 the model's maximum."""
         k = payload.get("truncate_prompt_tokens")
+        side = payload.get("truncation_side")
+        if side not in (None, "left", "right"):
+            raise ApiError(400, "truncation_side must be 'left' or 'right'", param="truncation_side",
+                           code="invalid_truncation_side")
         if k is None:
             return self._auto()
         if type(k) is not int or not (k == -1 or 1 <= k <= self.max_tokens):
             raise ApiError(400, f"truncate_prompt_tokens must be -1 (the maximum, {self.max_tokens}) or in "
                                 f"1..{self.max_tokens}", param="truncate_prompt_tokens",
                            code="invalid_truncate_prompt_tokens")
-        side = getattr(self.engine.encoder, "truncation_side", "right")
-        return Truncation(self.max_tokens if k == -1 else k, side)
+        k = self.max_tokens if k == -1 else k
+        if side is not None:
+            return Truncation(k, side, whole=True)
+        return Truncation(k, getattr(self.engine.encoder, "truncation_side", "right"))
 
     def _tei_truncation(self, payload) -> Truncation | None:
         """TEI's truncate (bool; absent: the server's auto_truncate) and truncation_direction (default Right)."""
@@ -468,7 +474,7 @@ class EmbeddingService:
             vocab = enc.vocab_size
             if any(t < 0 or t >= vocab for seq in inputs for t in seq):
                 raise ApiError(400, f"token ids must be in 0..{vocab - 1}", param=key, code="invalid_token_id")
-            seqs = [_cut(s, trunc.max_tokens, trunc.direction) for s in inputs] if trunc else inputs
+            seqs = [cut(s, trunc.max_tokens, trunc.direction) for s in inputs] if trunc else inputs
             self._check_tokens(seqs, 0, 0, trunc, key)
             return seqs
         texts = []
@@ -479,7 +485,7 @@ class EmbeddingService:
                                         f"{self.max_chars}; ask for truncation or shorten it", param=key,
                                    code="input_too_long")
                 # Cut at the character limit before the tokenizer sees it; the token cut follows.
-                text = _cut(text, self.max_chars, trunc.direction)
+                text = cut(text, self.max_chars, trunc.direction)
             texts.append(enc.format_query(text) if query else text)
         seqs: list[list[int]] = []
         total, start = 0, 0
@@ -500,6 +506,8 @@ class EmbeddingService:
         try:
             if trunc is None:
                 return enc.encode(texts)
+            if trunc.whole:
+                return [cut(ids, trunc.max_tokens, trunc.direction) for ids in enc.encode(texts)]
             prefix = enc.query_prefix if query and trunc.direction == "left" else ""
             if prefix:  # a left cut of a query keeps its instruction
                 return enc.encode(texts, max_tokens=trunc.max_tokens, direction="left", keep_prefix=prefix)
@@ -514,10 +522,6 @@ class EmbeddingService:
         limit = trunc.max_tokens if trunc else self.max_tokens
         for i, s in enumerate(seqs, first):
             if len(s) > limit:
-                if trunc:  # only when the model's special tokens alone exceed a tiny truncate_prompt_tokens
-                    raise ApiError(400, f"input {i} has {len(s)} tokens after truncation to {limit} (the "
-                                        "model's special tokens do not fit)", param=key,
-                                   code="context_length_exceeded")
                 raise ApiError(400, f"input {i} has {len(s)} tokens, more than the maximum {limit}",
                                param=key, code="context_length_exceeded")
             total += len(s)

@@ -30,6 +30,11 @@ class Batch:
     attention_mask: list[list[int]]
 
 
+def cut(seq, n: int, direction: str):
+    """The first n items of seq ("right": a cut on the right keeps the start) or the last n ("left")."""
+    return seq[:n] if direction == "right" else seq[len(seq) - n:]
+
+
 class TextEncoder:
     def __init__(self, directory: str | Path, pooling: str, instruction: str | None = None,
                  pad_left: bool | None = None):
@@ -88,6 +93,10 @@ class TextEncoder:
             return self._encode_keeping(texts, max_tokens, keep_prefix)
         if max_tokens is None:
             encodings = self.tok.encode_batch(list(texts))
+        elif max_tokens < self.num_special + (1 if self._adds_eos else 0):
+            # The special tokens alone do not fit: transformers' truncation gives up (it warns and keeps
+            # every token) and vLLM then cuts that whole encoding to max_tokens on the side; so do we.
+            return [cut(ids, max_tokens, direction) for ids in self.encode(texts)]
         else:
             # The tokenizers library's truncation, on each Encoding: cut the text's tokens to what is
             # left after the special tokens, then add those (so [CLS] .. [SEP] survive a cut).

@@ -32,6 +32,7 @@ class ServedContainer:
     env: dict = field(default_factory=dict)
     docker_args: tuple[str, ...] = ()  # more `docker run` options, e.g. ("--user", "4242:4242")
     pids_limit: int = 512
+    ready_path: str = "/ready"  # mopt's readiness (/health answers already while loading); vLLM alone: /health
     cid: str = ""
     port: int = 0
 
@@ -72,12 +73,12 @@ class ServedContainer:
             if not state["Running"]:
                 raise RuntimeError(f"container exited ({state}): {self.logs()[-3000:]}")
             try:
-                if request(self.port, "GET", "/ready", timeout=5)[0] == 200:  # /health: already while loading
+                if request(self.port, "GET", self.ready_path, timeout=5)[0] == 200:
                     return
             except OSError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"/ready not 200 within {timeout_s}s: {self.logs()[-3000:]}")
+        raise RuntimeError(f"{self.ready_path} not 200 within {timeout_s}s: {self.logs()[-3000:]}")
 
     def state(self) -> dict:
         return json.loads(_docker(self.docker, "inspect", "--format", "{{json .State}}", self.cid))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import numpy as np
 import pytest
 import requests
 
@@ -130,6 +131,83 @@ def test_vllm_image_has_the_same_api_as_every_flavour(hardened_vllm):
                             + key.encode() + b"\r\nContent-Length: 14\r\nTransfer-Encoding: chunked\r\n\r\n"
                             + b'{"input": "x"}')
     assert statuses(smuggled) == [400]
+
+
+@pytest.fixture(scope="module")
+def vllm_alone(docker_cli, released):
+    """vLLM's own OpenAI server alone in the released image, hardened, started by exec_vllm_alone exactly
+    as mopt's server starts it behind itself (argv, environment, shipped cache) but reachable: the oracle
+    for vLLM's request semantics."""
+    _, _, report = released
+    row = next(v for v in report["variants"] if v["id"] == VARIANT)
+    served = ServedContainer(docker_cli.path, row["image_id"], memory="3g", ready_path="/health",
+                             docker_args=("--entrypoint", "/opt/venv/bin/python"),
+                             server_args=("-c", "from mopt_runtime.backends.vllm_backend import exec_vllm_alone; "
+                                                "exec_vllm_alone('/opt/mopt/engine')"))
+    try:
+        yield served.start(health_timeout_s=240)
+    finally:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def mopt_cpu(docker_cli, cpu_demo_image):
+    """mopt's cpu image of the same model (its own packed engine, no vLLM in it)."""
+    served = ServedContainer(docker_cli.path, cpu_demo_image, memory="2g")
+    try:
+        yield served.start()
+    finally:
+        served.stop()
+
+
+LONG = " ".join(f"word{i} means something different" for i in range(150))  # about 5,000 characters
+SHORT = "The cat sits on the mat."
+# (request, what it checks): the same body to vLLM alone and to both mopt images
+ORACLE_CASES = [({"input": [LONG, SHORT], "truncate_prompt_tokens": k}, f"k={k}")
+                for k in (-1, 1, 2, 3, 10, 128, 256)] + [
+    ({"input": [LONG, SHORT], "truncate_prompt_tokens": k, "truncation_side": side}, f"k={k} {side}")
+    for k in (1, 5, 100) for side in ("left", "right")] + [
+    ({"input": [[101, 2023, 2003, 1037, 3231, 102], [101, 102]], "truncate_prompt_tokens": 4}, "token ids"),
+    ({"input": [LONG], "truncate_prompt_tokens": 0}, "k=0"), ({"input": [LONG], "truncate_prompt_tokens": -2}, "k=-2"),
+    ({"input": [LONG], "truncate_prompt_tokens": 257}, "k over the model's maximum"),
+    ({"input": [LONG], "truncate_prompt_tokens": 2.5}, "a fraction"),
+    ({"input": [SHORT], "truncate_prompt_tokens": 3, "truncation_side": "middle"}, "no such side"),
+    ({"input": [LONG]}, "too long without truncation"),
+]
+
+
+def _vectors(body: dict) -> np.ndarray:
+    rows = np.array([d["embedding"] for d in sorted(body["data"], key=lambda d: d["index"])], dtype=np.float64)
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("payload, case", ORACLE_CASES, ids=[c for _, c in ORACLE_CASES])
+def test_truncate_prompt_tokens_as_vllms_own_server(vllm_alone, hardened_vllm, mopt_cpu, payload, case):
+    """vLLM's truncate_prompt_tokens (and truncation_side) against vLLM's own server on the same model: the
+    same status, the same token counts and vectors at cosine >= 0.999 from mopt's vllm image and from its
+    cpu image (which truncates with its own tokenizer code); vLLM's error messages differ (docs/server.md)."""
+    served, key = hardened_vllm
+    status, oracle = embed(vllm_alone.port, payload)  # no "model": vLLM embeds with the one it serves
+    for port, headers in ((served.port, {"Authorization": f"Bearer {key}"}), (mopt_cpu.port, None)):
+        got_status, got = embed(port, payload, headers=headers)
+        assert got_status == status, (case, got_status, got, status, oracle)
+        if status == 200:
+            tokens = got["usage"]["prompt_tokens"], oracle["usage"]["prompt_tokens"]
+            assert tokens[0] == tokens[1], (case, tokens)
+            cosines = (_vectors(got) * _vectors(oracle)).sum(axis=1)
+            assert cosines.min() >= 0.999, (case, cosines)
+        else:
+            assert 400 <= status < 500 and got["error"]["message"], (case, got)
+
+
+@pytest.mark.parametrize("value", ["5", True])
+def test_truncate_prompt_tokens_must_be_an_integer(hardened_vllm, value):
+    """vLLM's pydantic model reads "5" as 5 and true as 1; mopt refuses both (400), as it refuses every
+    non-integer JSON value (docs/server.md lists this difference)."""
+    served, key = hardened_vllm
+    status, body = embed(served.port, {"input": SHORT, "truncate_prompt_tokens": value},
+                         headers={"Authorization": f"Bearer {key}"})
+    assert status == 400 and body["error"]["code"] == "invalid_truncate_prompt_tokens", body
 
 
 def test_vllm_image_exits_when_vllms_server_dies(hardened_vllm):

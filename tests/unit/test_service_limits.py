@@ -601,6 +601,8 @@ OPENAI_SAMPLES = [
     ({"input": ""}, False), ({"input": []}, False), ({"input": [[]]}, False), ({"input": [""]}, False),
     ({"input": [True]}, False), ({"input": [1.5]}, False), ({"input": "ab", "truncate_prompt_tokens": -1}, True),
     ({"input": "ab", "truncate_prompt_tokens": 3}, True), ({"input": "ab", "truncate_prompt_tokens": 0}, False),
+    ({"input": "ab", "truncate_prompt_tokens": 3, "truncation_side": "left"}, True),
+    ({"input": "ab", "truncation_side": None}, True), ({"input": "ab", "truncation_side": "up"}, False),
     ({"input": "ab", "truncate_prompt_tokens": -2}, False), ({"input": "ab", "truncate_prompt_tokens": True}, False),
     ({"input": "ab", "truncate_prompt_tokens": None}, True), ({"input": "ab", "encoding_format": "base64"}, True),
     ({"input": "ab", "encoding_format": None}, True), ({"input": "ab", "encoding_format": "int8"}, False),
@@ -710,6 +712,40 @@ def test_minilm_truncation_keeps_cls_and_sep(direction):
     kept = body[:8] if direction == "right" else body[-8:]
     assert cut == [cls, *kept, sep]
     assert enc.encode(["short"], max_tokens=10) == enc.encode(["short"])  # under the limit: unchanged
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_a_cut_below_the_special_tokens_cuts_the_whole_encoding(direction):
+    """truncate_prompt_tokens=1 on BERT ([CLS] .. [SEP]): transformers' truncation gives up and vLLM cuts
+    the whole encoding (its own server answered 200 with 1 token where mopt's answered 400)."""
+    enc = TextEncoder(_minilm_tokenizer(), "mean")
+    full = enc.encode([TEXT])[0]
+    assert enc.encode([TEXT], max_tokens=1, direction=direction) == [full[:1] if direction == "right" else full[-1:]]
+    assert enc.encode([TEXT], max_tokens=2, direction=direction) == [[full[0], full[-1]]]  # both specials fit
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_an_explicit_truncation_side_cuts_the_whole_encoding(make, side):
+    """vLLM's truncation_side with truncate_prompt_tokens: k tokens of the whole encoding, special tokens
+    included, from that side (without it the tokenizer's cut keeps [CLS] and [SEP])."""
+    enc = TextEncoder(_minilm_tokenizer(), "mean")
+    full = enc.encode([TEXT])[0]
+    svc = make(engine_kw={"max_seq_len": 32})
+    svc.engine.encoder = enc
+    _, tokens = svc.embeddings({"input": TEXT, "truncate_prompt_tokens": 5, "truncation_side": side})
+    assert svc.engine.seen() == [full[:5] if side == "right" else full[-5:]] and tokens == 5
+    svc.embeddings({"input": TEXT, "truncate_prompt_tokens": 5})
+    assert svc.engine.seen()[-1] == [full[0], *full[1:4], full[-1]]
+    svc.embeddings({"input": "short", "truncation_side": side})  # without truncate_prompt_tokens: no cut
+    assert svc.engine.seen()[-1] == enc.encode(["short"])[0]
+
+
+@pytest.mark.parametrize("side", ["middle", "Left", 1, True, ""])
+def test_truncation_side_is_left_or_right(make, side):
+    svc = make()
+    err = error(svc.embeddings, {"input": "x", "truncate_prompt_tokens": 3, "truncation_side": side})
+    assert (err.status, err.param, err.code) == (400, "truncation_side", "invalid_truncation_side")
+    assert err.message == "truncation_side must be 'left' or 'right'"
 
 
 @pytest.mark.parametrize("eos_by_post_processor", [False, True])

@@ -322,14 +322,35 @@ def load(engine_dir: str | Path, params: EngineParams):
     engine_dir = Path(engine_dir)
     work = _cache_for_serving(engine_dir / CACHE_SUBDIR)
     before = _snapshot(work)
-    model_dir = params.model_dir if params.model_dir and Path(params.model_dir).is_dir() else str(engine_dir)
-    server = Server(model_dir, work, params)
+    server = Server(_model_dir(engine_dir, params), work, params)
     after = _snapshot(work)
     written = sorted(k for k, v in after.items() if "/locks/" not in k and before.get(k) != v)
     if written:
         log.warning("a start over the shipped vLLM cache wrote %d file(s) into it, e.g. %s: part of the "
                     "compile was not reused", len(written), written[:3])
     return server
+
+
+def _model_dir(engine_dir: Path, params: EngineParams) -> str:
+    """The weights vLLM loads: the model the image ships, else the engine dir (config and tokenizer)."""
+    return params.model_dir if params.model_dir and Path(params.model_dir).is_dir() else str(engine_dir)
+
+
+def exec_vllm_alone(out_dir: str | Path, host: str = "0.0.0.0", port: int = 8000) -> None:
+    """Replace this process with vLLM's own OpenAI server on host:port, started exactly as load() starts
+    it behind mopt's server (same argv, environment and shipped cache) but reachable and without an API
+    key: the oracle that tests and benchmarks compare mopt's server with, in the same image, e.g.
+    `docker run --entrypoint /opt/venv/bin/python IMAGE -c "from mopt_runtime.backends.vllm_backend
+    import exec_vllm_alone; exec_vllm_alone('/opt/mopt/engine')"`. out_dir: the dir holding engine.json."""
+    from .. import fingerprint
+
+    params = EngineParams.from_dict(fingerprint.read(out_dir)["params"])
+    engine_dir = Path(out_dir) / fingerprint.ENGINE_SUBDIR
+    work = _cache_for_serving(engine_dir / CACHE_SUBDIR)
+    argv = serve_argv(_model_dir(engine_dir, params), params, host, port)
+    env = serve_env(work, params)
+    env.pop("VLLM_API_KEY", None)
+    os.execve(argv[0], argv, env)
 
 
 def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[list[float]]:
