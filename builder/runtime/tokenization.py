@@ -48,6 +48,9 @@ class TextEncoder:
         self.tok.no_truncation()
         self.tok.no_padding()
         self.num_special = self.tok.num_special_tokens_to_add(False)
+        # Ids without character offsets (tokenizers >= 0.21): a third less time a text, on the server's
+        # event loop among others; /tokenize, which returns offsets, uses encode_batch.
+        self._ids_batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
         cfg = {}
         cfg_path = directory / "tokenizer_config.json"
         if cfg_path.is_file():
@@ -92,7 +95,7 @@ class TextEncoder:
         if keep_prefix and max_tokens is not None and direction == "left":
             return self._encode_keeping(texts, max_tokens, keep_prefix)
         if max_tokens is None:
-            encodings = self.tok.encode_batch(list(texts))
+            encodings = self._ids_batch(list(texts))
         elif max_tokens < self.num_special + (1 if self._adds_eos else 0):
             # The special tokens alone do not fit: transformers' truncation gives up (it warns and keeps
             # every token) and vLLM then cuts that whole encoding to max_tokens on the side; so do we.
@@ -102,7 +105,7 @@ class TextEncoder:
             # left after the special tokens, then add those (so [CLS] .. [SEP] survive a cut).
             room = max(0, max_tokens - self.num_special - (1 if self._adds_eos else 0))
             encodings = []
-            for enc in self.tok.encode_batch(list(texts), add_special_tokens=False):
+            for enc in self._ids_batch(list(texts), add_special_tokens=False):
                 enc.truncate(room, direction=direction)
                 encodings.append(self.tok.post_process(enc))
         out = []

@@ -847,3 +847,62 @@ def test_a_ping_is_stalled_past_the_floor_alone():
     finally:
         release.set()
         batcher.close(timeout=WAIT)
+
+
+class CountingCondition(threading.Condition):
+    """A Condition that counts single wake-ups (notify(1)); notify_all is the base class's own."""
+
+    def __init__(self, lock=None):
+        super().__init__(lock)
+        self.wakeups = 0
+
+    def notify(self, n=1):
+        self.wakeups += n == 1
+        super().notify(n)
+
+    def notify_all(self):
+        threading.Condition.notify(self, len(self._waiters))
+
+
+def test_requests_wake_the_batcher_only_at_the_first_job_half_and_a_whole_batch(make, monkeypatch):
+    """A wake-up per request cost the event loop a GIL hand-over each; the batcher's waits end on the
+    first job, half a batch (the running call's due time counts from there) and a whole batch only."""
+    import builder.runtime.batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module.threading, "Condition", CountingCondition)
+    engine = FakeEngine(hold_first=True)
+    batcher = make(engine, max_batch=8, max_wait_ms=0, depth=2)
+    monkeypatch.undo()
+    cond = batcher._cond
+    blocker = busy(batcher, engine, 8)  # the running call; its due time is unknown (no rate yet)
+    counts = []
+    for i in range(8):
+        before = cond.wakeups
+        batcher.submit([[i]])
+        counts.append(cond.wakeups - before)
+    assert counts == [1, 0, 0, 1, 0, 0, 0, 1]  # first job, half (4 of 8), whole (8): nothing else
+    assert wait_for(lambda: len(batcher._inflight) == 2)  # the whole batch went out behind the running call
+    engine.release.set()
+    assert blocker.result(WAIT) == [vec([1000 + i]) for i in range(8)]
+
+
+def test_the_queued_inputs_are_counted_through_takes_drops_and_failures(make):
+    engine, metrics = FakeEngine(hold_first=True), Recorder()
+    batcher = make(engine, max_batch=3, max_wait_ms=0, metrics=metrics)
+    blocker = busy(batcher, engine, 3)
+    kept = batcher.submit([[1], [2], [3], [4]])  # four inputs: a batch of three, then one
+    gone = batcher.submit([[5], [6]], client_gone=lambda: True)
+    assert batcher._queued_inputs == 6 and metrics.depths[-1] == 6
+    engine.release.set()
+    blocker.result(WAIT)
+    assert kept.result(WAIT) == [vec([i]) for i in (1, 2, 3, 4)]
+    with pytest.raises(Exception, match="client_gone"):
+        gone.result(WAIT)
+    assert batcher._queued_inputs == 0 and metrics.depths[-1] == 0
+    engine.release.clear()
+    engine.entered.clear()
+    blocker = busy(batcher, engine, 3)
+    batcher.submit([[7], [8]])
+    assert batcher.fail_queued(RuntimeError("cut")) == 1 and batcher._queued_inputs == 0
+    engine.release.set()
+    blocker.result(WAIT)

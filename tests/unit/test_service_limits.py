@@ -714,6 +714,17 @@ def test_minilm_truncation_keeps_cls_and_sep(direction):
     assert enc.encode(["short"], max_tokens=10) == enc.encode(["short"])  # under the limit: unchanged
 
 
+def test_the_ids_are_the_tokenizers_own():
+    """encode() takes ids without offsets (encode_batch_fast): the same ids as the tokenizer's encode_batch,
+    cut or not."""
+    enc = TextEncoder(_minilm_tokenizer(), "mean")
+    assert enc._ids_batch.__name__ == "encode_batch_fast"
+    texts = [TEXT, "Ünïcödé naïve café — 東京 🙂", "a", ""]
+    assert enc.encode(texts) == [e.ids for e in enc.tok.encode_batch(texts)]
+    assert enc.encode(texts, max_tokens=12) == [e.ids[:11] + e.ids[-1:] if len(e.ids) > 12 else e.ids
+                                                for e in enc.tok.encode_batch(texts)]
+
+
 @pytest.mark.parametrize("direction", ["right", "left"])
 def test_a_cut_below_the_special_tokens_cuts_the_whole_encoding(direction):
     """truncate_prompt_tokens=1 on BERT ([CLS] .. [SEP]): transformers' truncation gives up and vLLM cuts
