@@ -80,15 +80,16 @@ def request(port: int, method: str, path: str, body=None, headers: dict | None =
         conn.close()
 
 
-def raw_exchange(port: int, data: bytes, wait: float = 2.0, shut: bool = False) -> bytes:
-    """Send bytes as they are; read until the server closes or `wait` seconds pass without a byte."""
-    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+def raw_exchange(port: int, data: bytes, wait: float = 2.0, shut: bool = False, timeout: float = WAIT) -> bytes:
+    """Send bytes as they are; read until the server closes, `wait` seconds pass without a byte or
+    `timeout` seconds in all."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(data)
         if shut:
             sock.shutdown(socket.SHUT_WR)
         sock.settimeout(wait)
         out = b""
-        end = time.monotonic() + WAIT
+        end = time.monotonic() + timeout
         while time.monotonic() < end:
             try:
                 chunk = sock.recv(65536)

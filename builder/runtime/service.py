@@ -169,6 +169,29 @@ def _shape(vec, dims: int | None, normalize: bool):
     return vec
 
 
+def _query_prompt(payload) -> bool:
+    """TEI's prompt_name: 'query' (the model's instruction) or absent; whether the inputs are queries."""
+    prompt_name = payload.get("prompt_name")
+    if prompt_name not in (None, "query"):
+        raise ApiError(400, "prompt_name must be 'query' (the model's query instruction) or null",
+                       param="prompt_name", code="invalid_prompt_name")
+    return prompt_name == "query"
+
+
+def _too_long(i: int, chars: int, limit: int, key: str, hint: str = "") -> ApiError:
+    return ApiError(400, f"input {i} has {chars} characters, more than the maximum {limit}{hint}", param=key,
+                    code="input_too_long")
+
+
+def _untokenizable(key: str, exc: Exception) -> ApiError:
+    return ApiError(400, f"'{key}' cannot be tokenized: {type(exc).__name__}", param=key, code="invalid_input")
+
+
+def _too_many_tokens(limit: int, key: str) -> ApiError:
+    return ApiError(400, f"the request has more than {limit} tokens in all; send fewer or shorter inputs",
+                    param=key, code="request_too_large")
+
+
 class EmbeddingService:
     """Request logic, independent of HTTP so tests can call it directly."""
 
@@ -296,26 +319,20 @@ class EmbeddingService:
         if type(add) is not bool:
             raise ApiError(400, "add_special_tokens must be true or false", param="add_special_tokens",
                            code="invalid_add_special_tokens")
-        prompt_name = payload.get("prompt_name")
-        if prompt_name not in (None, "query"):
-            raise ApiError(400, "prompt_name must be 'query' (the model's query instruction) or null",
-                           param="prompt_name", code="invalid_prompt_name")
+        query = _query_prompt(payload)
         enc = self.engine.encoder
         texts = []
         for i, text in enumerate(inputs):
             if len(text) > self.max_chars:
-                raise ApiError(400, f"input {i} has {len(text)} characters, more than the maximum {self.max_chars}",
-                               param="inputs", code="input_too_long")
-            texts.append(enc.format_query(text) if prompt_name == "query" else text)
+                raise _too_long(i, len(text), self.max_chars, "inputs")
+            texts.append(enc.format_query(text) if query else text)
         try:
             rows = enc.tokens(texts, add)
         except (UnicodeError, ValueError, TypeError) as exc:
-            raise ApiError(400, f"'inputs' cannot be tokenized: {type(exc).__name__}", param="inputs",
-                           code="invalid_input") from None
+            raise _untokenizable("inputs", exc) from None
         total = sum(len(r) for r in rows)
         if total > self.limits.max_request_tokens:
-            raise ApiError(400, f"the request has more than {self.limits.max_request_tokens} tokens in all; "
-                                "send fewer or shorter inputs", param="inputs", code="request_too_large")
+            raise _too_many_tokens(self.limits.max_request_tokens, "inputs")
 
         def finish(_vectors) -> list:
             return [[{"id": tid, "text": text[start:stop] if start is not None else token, "special": special,
@@ -380,12 +397,9 @@ class EmbeddingService:
             raise ApiError(400, "this engine was compiled with normalisation: its vectors are always unit "
                                 "length, so normalize: false is not available", param="normalize",
                            code="unsupported_normalize")
-        prompt_name = payload.get("prompt_name")
-        if prompt_name not in (None, "query"):
-            raise ApiError(400, "prompt_name must be 'query' (the model's query instruction) or null",
-                           param="prompt_name", code="invalid_prompt_name")
+        query = _query_prompt(payload)
         dims = self._dimensions(payload)
-        seqs = self._sequences(inputs, are_ids, prompt_name == "query", self._tei_truncation(payload), "inputs")
+        seqs = self._sequences(inputs, are_ids, query, self._tei_truncation(payload), "inputs")
         # Unit length again after a Matryoshka cut, or at all when the engine leaves vectors as they are.
         renormalize = normalize and (dims is not None or not self.engine.params.normalize)
 
@@ -481,9 +495,7 @@ class EmbeddingService:
         for i, text in enumerate(inputs):
             if len(text) > self.max_chars:
                 if trunc is None:
-                    raise ApiError(400, f"input {i} has {len(text)} characters, more than the maximum "
-                                        f"{self.max_chars}; ask for truncation or shorten it", param=key,
-                                   code="input_too_long")
+                    raise _too_long(i, len(text), self.max_chars, key, "; ask for truncation or shorten it")
                 # Cut at the character limit before the tokenizer sees it; the token cut follows.
                 text = cut(text, self.max_chars, trunc.direction)
             texts.append(enc.format_query(text) if query else text)
@@ -513,8 +525,7 @@ class EmbeddingService:
                 return enc.encode(texts, max_tokens=trunc.max_tokens, direction="left", keep_prefix=prefix)
             return enc.encode(texts, max_tokens=trunc.max_tokens, direction=trunc.direction)
         except (UnicodeError, ValueError, TypeError) as exc:  # e.g. a lone surrogate in the text
-            raise ApiError(400, f"'{key}' cannot be tokenized: {type(exc).__name__}", param=key,
-                           code="invalid_input") from None
+            raise _untokenizable(key, exc) from None
 
     def _check_tokens(self, seqs, first: int, total: int, trunc: Truncation | None, key: str = "input") -> int:
         """Per-input and per-request token limits for seqs (inputs first.. of the request); returns the
@@ -526,8 +537,7 @@ class EmbeddingService:
                                param=key, code="context_length_exceeded")
             total += len(s)
         if total > self.limits.max_request_tokens:
-            raise ApiError(400, f"the request has more than {self.limits.max_request_tokens} tokens in all; "
-                                "send fewer or shorter inputs", param=key, code="request_too_large")
+            raise _too_many_tokens(self.limits.max_request_tokens, key)
         return total
 
     # --- the engine -------------------------------------------------------------------------------

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests import serving
 
 HARDENED = ("--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL", "--security-opt", "no-new-privileges")
 CONTAINER_PORT = 8000
@@ -150,21 +151,4 @@ def embed(port: int, payload: dict, timeout: float = 120, headers: dict | None =
 
 def raw_exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
     """Send DATA as is, read until the server closes or TIMEOUT passes; everything it answered."""
-    out = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(data)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                chunk = s.recv(65536)
-            except TimeoutError:
-                break
-            if not chunk:
-                break
-            out += chunk
-    return out
-
-
-def statuses(raw: bytes) -> list[int]:
-    """The status codes of every HTTP response in RAW (a smuggled request shows as a second one)."""
-    return [int(line.split()[1]) for line in raw.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+    return serving.raw_exchange(port, data, wait=timeout, timeout=timeout)

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from tests.integration.served import ServedContainer, embed, raw_exchange, request, statuses
+from tests.integration.served import ServedContainer, embed, raw_exchange, request
+from tests.serving import statuses
 
 pytestmark = pytest.mark.integration
 

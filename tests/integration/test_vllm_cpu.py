@@ -19,7 +19,8 @@ from builder.dockerclient import run_docker
 from builder.localregistry import LocalRegistry
 from builder.state import StateDir
 from tests.integration.conftest import STATE, mopt_cli
-from tests.integration.served import ServedContainer, embed, raw_exchange, request, statuses
+from tests.integration.served import ServedContainer, embed, raw_exchange, request
+from tests.serving import statuses
 
 pytestmark = pytest.mark.integration
 VARIANT = "minilm-embed:cpu-vllm"
