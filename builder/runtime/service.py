@@ -446,7 +446,9 @@ class EmbeddingService:
     def _vllm_truncation(self, payload) -> Truncation | None:
         """vLLM's truncate_prompt_tokens: k keeps k tokens, cut on the tokenizer's truncation_side (its
         tokenizer_config.json; right, keeping the start, by default) as vLLM's renderer has the tokenizer
-        cut (older vLLM kept the last k); -1 the model's maximum."""
+        cut (older vLLM kept the last k); -1 the model's maximum. With vLLM's truncation_side the whole
+        encoding is cut on that side, special tokens included (tests/integration/test_vllm_cpu.py holds
+        both against vLLM's own server)."""
         k = payload.get("truncate_prompt_tokens")
         side = payload.get("truncation_side")
         if side not in (None, "left", "right"):
