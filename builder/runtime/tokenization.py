@@ -69,6 +69,8 @@ class TextEncoder:
         # Whether we append EOS ourselves (the tokenizer's post-processor may add it already).
         probe = self.tok.encode("a").ids
         self._adds_eos = self.append_eos and (not probe or probe[-1] != self.eos_id)
+        # Tokens every input gets besides its text's: the special tokens and the EOS we append.
+        self._added = self.num_special + (1 if self._adds_eos else 0)
 
     def _find_id(self, candidates) -> int | None:
         for text in candidates:
@@ -96,14 +98,14 @@ class TextEncoder:
             return self._encode_keeping(texts, max_tokens, keep_prefix)
         if max_tokens is None:
             encodings = self._ids_batch(list(texts))
-        elif max_tokens < self.num_special + (1 if self._adds_eos else 0):
+        elif max_tokens < self._added:
             # The special tokens alone do not fit: transformers' truncation gives up (it warns and keeps
             # every token) and vLLM then cuts that whole encoding to max_tokens on the side; so do we.
             return [cut(ids, max_tokens, direction) for ids in self.encode(texts)]
         else:
             # The tokenizers library's truncation, on each Encoding: cut the text's tokens to what is
             # left after the special tokens, then add those (so [CLS] .. [SEP] survive a cut).
-            room = max(0, max_tokens - self.num_special - (1 if self._adds_eos else 0))
+            room = max_tokens - self._added
             encodings = []
             for enc in self._ids_batch(list(texts), add_special_tokens=False):
                 enc.truncate(room, direction=direction)
@@ -135,7 +137,7 @@ class TextEncoder:
 
     def _encode_keeping(self, texts: list[str], max_tokens: int, prefix: str) -> list[list[int]]:
         head = self.tok.encode(prefix, add_special_tokens=False)
-        room = max(0, max_tokens - self.num_special - (1 if self._adds_eos else 0) - len(head.ids))
+        room = max(0, max_tokens - self._added - len(head.ids))
         out = []
         for body in self.tok.encode_batch([t[len(prefix):] for t in texts], add_special_tokens=False):
             body.truncate(room, direction="left")
