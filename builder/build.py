@@ -28,7 +28,15 @@ from .lock import lock_entry, read_lock, requirements_text
 from .matrix import Matrix
 from .models import HUB_KINDS, LocalModel, ModelChoice, choose, image_tags, materialise, model_labels
 from .plan import Variant
-from .render import MOUNTS, RUNTIME_PACKAGE, RenderedVariant, render_variant, runtime_digest
+from .render import (
+    MODEL_RUNTIME_PARAMS,
+    MOUNTS,
+    RUNTIME_PACKAGE,
+    RenderedVariant,
+    model_runtime_repository,
+    render_variant,
+    runtime_digest,
+)
 from .state import ModelRecord, StageRecord, StateDir, VariantRecord
 
 Log = Callable[[str], None]
@@ -88,6 +96,17 @@ class BuildResult:
     @property
     def built_anything(self) -> bool:
         return any(not s.skipped for s in self.stages)
+
+
+@dataclass(frozen=True)
+class ModelRuntimeResult:
+    """A model runtime image: a variant's runtime (and compiler) without a model (serve --model-id)."""
+
+    variant_id: str
+    image_id: str
+    references: tuple[str, ...]  # (short ref, long ref)
+    stages: tuple[StageRecord, ...]
+    size_bytes: int
 
 
 def default_ca_bundle() -> Path | None:
@@ -409,6 +428,46 @@ class Builder:
             dimension=model.dimension, notes=(model.note,) if model.note else ())
         self._record(variant, result)
         return result
+
+    def model_runtime(self, variant: Variant) -> ModelRuntimeResult:
+        """The variant's runtime with the compiler its engine's compile needs, and no model: it compiles a
+        mounted model's engine on its first start (builder/runtime/modelcache.py). Tagged as the variant
+        under the repository's -runtime twin; the compiler stage's image id is its runtime identity."""
+        made = self.runtime(variant)
+        stages = [made.base, made.runtime]
+        compiler = made.runtime
+        if "toolchain" in made.keys:
+            compiler = self._toolchain(variant, made.render_dir, made.runtime, made.keys["toolchain"],
+                                       made.lock_files, made.lock_digest)
+            stages.append(compiler)
+        files = made.rendered.files
+        key = sha256_text("model-runtime", compiler.image_id, files["Dockerfile.model-runtime"],
+                          files[MODEL_RUNTIME_PARAMS])
+
+        def build(tag: str) -> str:
+            context = self.state.context("model-runtime", key)
+            shutil.rmtree(context, ignore_errors=True)
+            context.mkdir(parents=True)
+            (context / MODEL_RUNTIME_PARAMS).write_text(files[MODEL_RUNTIME_PARAMS])
+            _readable_by_all(context)
+            try:
+                image_id = self._docker_build(
+                    variant, "model-runtime", made.render_dir / "Dockerfile.model-runtime", context, tag, key,
+                    {"COMPILER_IMAGE": compiler.image, "RUNTIME_ID": compiler.image_id}, {})
+            finally:
+                shutil.rmtree(context, ignore_errors=True)
+            self._verify_parent(variant, made.runtime, tag)
+            return image_id
+
+        stage = self._stage(variant, "model-runtime", key, build)
+        stages.append(stage)
+        repository = model_runtime_repository(variant.repository)
+        references = (f"{repository}:{variant.tag}", f"{repository}:{variant.long_tag}")
+        for ref in reversed(references):
+            run_docker(["tag", stage.image_id, ref], docker=self.docker)
+        info = self._inspect(stage.image_id) or {}
+        return ModelRuntimeResult(variant_id=variant.id, image_id=stage.image_id, references=references,
+                                  stages=tuple(stages), size_bytes=int(info.get("Size") or 0))
 
     def _toolchain(self, variant: Variant, render_dir: Path, runtime: StageRecord, render_key: str,
                    lock_files: dict[str, str], lock_digest: str) -> StageRecord:

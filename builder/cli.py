@@ -467,6 +467,38 @@ def lock(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, 
         click.echo(f"  partial: {', '.join(entry['variants'])}: missing {'; '.join(entry['missing'])}")
 
 
+@cli.command("build-runtime")
+@matrix_option
+@select_option
+@state_option
+@hermetic_options
+@click.option("--locked", is_flag=True, help="Install exactly what mopt.lock.json pins (fails when it is stale).")
+def build_runtime(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
+                  extra_index_url, models, locked: bool) -> None:
+    """Build the selected variants' model runtime images: the runtime and compiler, no model.
+
+    Tagged REPOSITORY-runtime:TAG (mopt/minilm-embed-runtime:cpu); `docker run -v MODEL:/model:ro -v
+    CACHE:/cache IMAGE --model-id /model` compiles the mounted model on its first start (docs/run-image.md)."""
+    from .backends import backend as backend_spec
+    from .build import Builder
+    from .plan import make_plan
+    from .statelock import state_lock
+
+    options = _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url, extra_index_url, models,
+                             locked)
+    matrix, result = _plan(matrix_path, select)
+    if not result.variants:
+        raise ConfigError("no planned variant matches --select; nothing to build")
+    with state_lock(options.state.root, "mopt build-runtime", log=click.echo):
+        builder = Builder(matrix, make_plan(matrix).variants, options, log=click.echo)
+        for variant in result.variants:
+            if backend_spec(variant.backend).own_server:
+                raise ConfigError(f"{variant.id}: the {variant.backend} backend is served by its own server; "
+                                  "its images carry their model (no model runtime image)")
+            built = builder.model_runtime(variant)
+            click.echo(f"{variant.id}: {built.references[0]} {built.image_id} ({built.size_bytes / 1e9:.2f} GB)")
+
+
 @cli.command("test")
 @matrix_option
 @select_option

@@ -81,6 +81,7 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         # Docker's health is what `depends_on: service_healthy` waits for: mopt's server is ready once its
         # engine has loaded (/health answers while loading); a backend's own server has /health only.
         "ready_path": "/health" if spec.own_server else "/ready",
+        "model_runtime": {"repository": model_runtime_repository(variant.repository)},
         "max_wait_ms": recipe.max_wait_ms,
         "source_date_epoch": _source_date_epoch(matrix),
         "packed": _packed(variant, recipe, spec),
@@ -167,6 +168,24 @@ def engine_params(variant: Variant, context: dict) -> EngineParams:
         raise ConfigError(f"{variant.id}: the runtime refuses these engine parameters: {exc.message}") from None
 
 
+MODEL_RUNTIME_PARAMS = "runtime-params.json"
+# What a model runtime image (no model inside) leaves to the mounted model: its name and place, and what
+# its own files or its family decide (pooling, normalisation, a query instruction, Matryoshka dimensions,
+# causal attention).
+MODEL_SPECIFIC_PARAMS = ("model_dir", "model_name", "pooling", "normalize", "instruction", "matryoshka_min_dim",
+                         "attention")  # causal attention is for decoders only: --attention causal says so
+
+
+def model_runtime_repository(repository: str) -> str:
+    """The model runtime image of a variant's flavour: its repository plus -runtime, same tags."""
+    return f"{repository}-runtime"
+
+
+def model_runtime_params(params: EngineParams) -> dict:
+    """The flavour's engine parameters a model runtime image starts from (MOPT_ENGINE_PARAMS)."""
+    return {k: v for k, v in params.to_dict().items() if k not in MODEL_SPECIFIC_PARAMS}
+
+
 def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_digest: str,
                    siblings: tuple[Variant, ...] = ()) -> RenderedVariant:
     """siblings: every planned variant of the same image and flavour (the guard names their tags)."""
@@ -179,6 +198,7 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         "Dockerfile.runtime": _render_template(env, backend(variant.backend).runtime_template, context),
         "compile.sh": _render_template(env, "compile.sh.j2", context),
         "Dockerfile.final": _render_template(env, "final.Dockerfile.j2", context),
+        "Dockerfile.model-runtime": _render_template(env, "model-runtime.Dockerfile.j2", context),
     }
     toolchain = toolchain_template(templates, variant.backend)
     if toolchain:
@@ -192,6 +212,7 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
     files["image-info.json"] = dump_json(image_info)
     files["smoke-inputs.json"] = dump_json(list(recipe.smoke_inputs))
     files[PARAMS_FILE] = dump_json(engine_params(variant, context).to_dict())
+    files[MODEL_RUNTIME_PARAMS] = dump_json(model_runtime_params(engine_params(variant, context)))
     base_key = sha256_text("base", files["Dockerfile.base"])
     runtime_key = sha256_text("runtime", base_key, files["Dockerfile.runtime"], runtime_digest)
     toolchain_key = sha256_text("toolchain", runtime_key, files["Dockerfile.toolchain"]) if toolchain else None

@@ -1,4 +1,4 @@
-"""CLI: compile | check | serve | make-tiny-qwen3. Exit codes: 0 ok, 2 bad input, 3 engine does
+"""CLI: compile | check | serve | warm | make-tiny-qwen3. Exit codes: 0 ok, 2 bad input, 3 engine does
 not fit this host (guard), 4 compile failed; user errors print one line, never a traceback."""
 from __future__ import annotations
 
@@ -81,9 +81,11 @@ def _engine_dir_argument(parser: argparse.ArgumentParser, command: str) -> None:
                   help="engine dir (engine.json + engine/); required unless the variable is set")
 
 
-def _engine_flags(c: argparse.ArgumentParser) -> None:
-    """The engine parameters as flags, for a compile by hand (mopt's build passes --params). A flag not
-    given takes params.EngineParams' default: the contract is the one place defaults live."""
+def _engine_flags(c: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The engine parameters as flags, for a compile by hand (mopt's build passes --params) or a mounted
+    model's compile (serve/warm --model-id). A flag not given takes params.EngineParams' default: the
+    contract is the one place defaults live. SERVING: serve's own --max-batch and --max-batch-tokens
+    (the batcher's) are these parameters too, and the served name is --served-model-name."""
     from . import params as contract
 
     e = c.add_argument_group("engine parameters", "each defaults to builder/runtime/params.py's EngineParams")
@@ -91,7 +93,8 @@ def _engine_flags(c: argparse.ArgumentParser) -> None:
     e.add_argument("--backend", **flag)
     e.add_argument("--device", choices=contract.DEVICES, **flag)
     e.add_argument("--precision", choices=contract.PRECISIONS, help="int8 and fp8: tensorrt only", **flag)
-    e.add_argument("--max-batch", type=int, **flag)
+    if not serving:
+        e.add_argument("--max-batch", type=int, **flag)
     e.add_argument("--max-seq-len", type=int, **flag)
     e.add_argument("--pooling", choices=contract.POOLINGS, **flag)
     e.add_argument("--normalize", action=argparse.BooleanOptionalAction, **flag)
@@ -105,10 +108,11 @@ def _engine_flags(c: argparse.ArgumentParser) -> None:
                    help="packed (torch-aot, torch-inductor): every sequence of a call in one token stream, no "
                         "padding; variable-length flash attention on CUDA (fp16/bf16), per-sequence SDPA elsewhere",
                    **flag)
-    e.add_argument("--max-batch-tokens", type=int,
-                   help="packed: the most tokens one engine call takes (0: max-batch x max-seq-len)", **flag)
-    e.add_argument("--model-name", help="name served in responses (default: the image's repository, else the "
-                   "model dir's name)", **flag)
+    if not serving:
+        e.add_argument("--max-batch-tokens", type=int,
+                       help="packed: the most tokens one engine call takes (0: max-batch x max-seq-len)", **flag)
+        e.add_argument("--model-name", help="name served in responses (default: the image's repository, else the "
+                       "model dir's name)", **flag)
     e.add_argument("--matryoshka-min-dim", type=int,
                    help="the model serves Matryoshka dimensions from this one up to the full one "
                         "(Qwen3-Embedding: 32); requests' 'dimensions' truncate and re-normalise", **flag)
@@ -122,6 +126,44 @@ def _engine_flags(c: argparse.ArgumentParser) -> None:
     t.add_argument("--trt-version-compatible", action=argparse.BooleanOptionalAction, **flag)
     t.add_argument("--trt-timing-cache", action=argparse.BooleanOptionalAction, **flag)
     t.add_argument("--trt-workspace-mib", type=int, **flag)
+
+
+def _model_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """A mounted model compiled into a cache on first use (modelcache.py): serve and warm."""
+    from .compiler import DEFAULT_MIN_COSINE
+
+    m = parser.add_argument_group("a mounted model", "instead of a baked engine dir: the engine is compiled "
+                                  "into --cache-dir on first use (docs/run-image.md)")
+    _env_argument(m, command, "--model-id", "MOPT_MODEL_ID", default=None,
+                  help="a Hugging Face model directory (config.json, tokenizer.json, weights), mounted read-only")
+    _env_argument(m, command, "--cache-dir", "MOPT_CACHE_DIR", default=None,
+                  help="where compiled engines are kept, keyed by model, parameters, runtime and GPU (a volume)")
+    _env_argument(m, command, "--engine-params", "MOPT_ENGINE_PARAMS", default=None,
+                  help="engine parameters as a JSON object or a params.json file (a runtime image sets its "
+                       "flavour's); the engine flags below override single fields")
+    _env_argument(m, command, "--min-cosine", "MOPT_MIN_COSINE", type=float, default=DEFAULT_MIN_COSINE,
+                  help="the accuracy gate: an engine whose cosine vs the model's fp32 reference is lower is "
+                       "refused (exit 4)")
+    m.add_argument("--force-pooling", action="store_true",
+                   help="the given --pooling/--normalize even where they contradict the model's "
+                        "sentence-transformers files")
+    _engine_flags(parser, serving=command == "serve")
+
+
+def _model_source(a):
+    """--model-id and the engine parameters (the image's JSON, then single flags) as a ModelSource."""
+    from dataclasses import fields
+
+    from .modelcache import model_source
+    from .params import EngineParams
+
+    base = _load_json_arg("--engine-params", a.engine_params, dict) or {}
+    flags = {f.name: getattr(a, f.name) for f in fields(EngineParams)
+             if getattr(a, f.name, None) is not None}  # serve's --max-batch default is None: not given
+    merged = {**base, **flags}
+    params = EngineParams.parse(merged, "--engine-params and the engine flags")
+    return model_source(a.model_id, a.cache_dir, params, set(merged), min_cosine=a.min_cosine,
+                        force_pooling=a.force_pooling)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,13 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-cosine", type=float, default=None,
                    help="refuse (exit 4) an engine whose cosine vs the reference is lower (default 0.99; "
                         "needs --verify)")
+    c.add_argument("--cache-key", default=None, help=argparse.SUPPRESS)  # modelcache's key, kept in engine.json
     _engine_flags(c)
 
     k = sub.add_parser("check", help="run the start-up guard only (exit 3 on mismatch)")
     _engine_dir_argument(k, "check")  # H3
 
     s = sub.add_parser("serve", help="guard, then serve POST /v1/embeddings, /health, /metrics")
-    _engine_dir_argument(s, "serve")  # H3
+    _env_argument(s, "serve", "--engine-dir", "MOPT_ENGINE_DIR", default=None,
+                  help="engine dir (engine.json + engine/); required unless the variable is set or --model-id "
+                       "is given (which takes precedence)")
     _env_argument(s, "serve", "--host", "MOPT_HOST", default="0.0.0.0", help="address to listen on")
     _env_argument(s, "serve", "--port", "MOPT_PORT", type=int, default=8000, help="port to listen on")
     _env_argument(s, "serve", "--max-batch", "MOPT_MAX_BATCH", type=int, default=None,
@@ -232,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     _env_argument(s, "serve", "--log-format", "MOPT_LOG_FORMAT", default="text", choices=("text", "json"),
                   help="json: one JSON object per log line (access lines at MOPT_LOG_LEVEL=INFO)")
 
+    _model_arguments(s, "serve")
+
+    w = sub.add_parser("warm", help="compile a mounted model's engine into --cache-dir ahead of the first start")
+    _model_arguments(w, "warm")
+
     t = sub.add_parser("make-tiny-qwen3", help="write a tiny random Qwen3 checkpoint + tokenizer")
     t.add_argument("--out", required=True)
     t.add_argument("--seed", type=int, default=0)
@@ -266,8 +316,9 @@ def cmd_compile(a) -> dict:
     min_cosine = DEFAULT_MIN_COSINE if a.min_cosine is None else a.min_cosine
     if not -1.0 <= min_cosine <= 1.0:
         raise UsageError(f"--min-cosine must be in -1..1, got {a.min_cosine}")
+    extra = {"cache": {"key": a.cache_key}} if a.cache_key else None
     return compile_engine(model, a.out, params, target_sm=a.target_sm, image=image,
-                          reference_texts=texts, verify=a.verify, min_cosine=min_cosine)
+                          reference_texts=texts, verify=a.verify, min_cosine=min_cosine, extra=extra)
 
 
 def cmd_check(a) -> dict:
@@ -309,26 +360,33 @@ def cmd_serve(a) -> int:
     from . import fingerprint
     from .backends import backend_info, get_backend
     from .engine import Engine
-    from .guard import resolve
     from .metrics import Metrics
+    from .modelcache import locate
     from .server import configure_logging, serve
     from .service import EmbeddingService, ServerLimits
 
     options = http_options(a)
     configure_logging(options.json_logs, os.environ.get("MOPT_LOG_LEVEL", "WARNING"))
-    info = fingerprint.read(a.engine_dir)
-    if backend_info(info["backend"]).own_server:  # vllm, tensorrt-llm: the guard, then their OpenAI server
-        engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+    if a.model_id:  # a mounted model: its engine comes from the cache, compiled there on a miss
+        target = _model_source(a)
+        params, names = target.params.to_dict(), a.served_model_name or (target.params.model_name,)
+    elif a.engine_dir:
+        target, names = a.engine_dir, a.served_model_name or ()
+        params = fingerprint.read(a.engine_dir)["params"]
+    else:
+        raise UsageError("give --engine-dir (MOPT_ENGINE_DIR) or --model-id (MOPT_MODEL_ID)")
+    if backend_info(params["backend"]).own_server:  # tensorrt-llm: the guard, then its OpenAI server
+        engine_dir, data = locate(target)  # refuse (exit 3) before loading anything
         get_backend(data["backend"]).exec_serve(engine_dir, data, a.host, a.port, options=options)
         return 0
-    limits = ServerLimits(max_batch=a.max_batch or info["params"]["max_batch"], max_wait_ms=a.max_wait_ms,
+    limits = ServerLimits(max_batch=a.max_batch or params["max_batch"], max_wait_ms=a.max_wait_ms,
                           max_batch_tokens=a.max_batch_tokens,
                           max_inputs=a.max_inputs, max_input_tokens=a.max_input_tokens,
                           max_body_bytes=a.max_body_bytes, max_input_chars=a.max_input_chars,
                           max_request_tokens=a.max_request_tokens, max_queue_tokens=a.max_queue_tokens,
                           auto_truncate=a.auto_truncate, request_timeout_s=a.request_timeout,
                           engine_ping_s=1.0, engine_stall_s=a.engine_stall_timeout, engine_depth=a.engine_depth,
-                          batch_quiet_ms=a.batch_quiet_ms, served_model_names=a.served_model_name or ())
+                          batch_quiet_ms=a.batch_quiet_ms, served_model_names=names)
     if a.engine_depth < 1 or a.batch_quiet_ms < 0:
         raise UsageError("--engine-depth must be >= 1 and --batch-quiet-ms >= 0")
     if a.engine_stall_timeout <= 0:
@@ -338,16 +396,30 @@ def cmd_serve(a) -> int:
     os.environ["MOPT_CUDA_GRAPHS"] = "1" if a.cuda_graphs else "0"  # read where the engine loads (the worker too)
     metrics = Metrics()
     # The server listens while the engine loads: /health says "loading", /ready 503 until it is done.
-    if a.engine_process and not backend_info(info["backend"]).concurrent_calls:
-        # the guard, the load and the forward passes in a worker (worker.py says why); an engine whose
-        # forward passes run in a process of its own (vLLM) needs no worker in between
+    if a.engine_process and not backend_info(params["backend"]).concurrent_calls:
+        # the guard (or the cache's compile), the load and the forward passes in a worker (worker.py says
+        # why); an engine whose forward passes run in a process of its own (vLLM) needs no worker in between
         from .worker import EngineProcess
 
         return serve(None, a.host, a.port, options, metrics=metrics,
-                     load=lambda: EmbeddingService(EngineProcess(a.engine_dir).start(), limits, metrics))
-    engine_dir, data = resolve(a.engine_dir)  # refuse (exit 3) before loading anything
+                     load=lambda: EmbeddingService(EngineProcess(target).start(), limits, metrics))
+    if a.model_id:  # compiled (if need be) while the server listens and /ready says no
+        return serve(None, a.host, a.port, options, metrics=metrics,
+                     load=lambda: EmbeddingService(Engine.from_info(*locate(target)), limits, metrics))
+    engine_dir, data = locate(target)  # refuse (exit 3) before loading anything
     return serve(None, a.host, a.port, options, metrics=metrics,
                  load=lambda: EmbeddingService(Engine.from_info(engine_dir, data), limits, metrics))
+
+
+def cmd_warm(a) -> dict:
+    from .modelcache import resolve_cached
+
+    if not a.model_id:
+        raise UsageError("warm needs --model-id (MOPT_MODEL_ID)")
+    result = resolve_cached(_model_source(a))
+    return {"engine_dir": str(result.engine_dir), "key": result.key, "outcome": result.outcome,
+            "seconds": result.seconds, "backend": result.data["backend"], "device": result.data["device"],
+            "target_sm": result.data["target_sm"], "engine_sha256": result.data["engine_sha256"]}
 
 
 def cmd_tiny(a) -> dict:
@@ -358,12 +430,13 @@ def cmd_tiny(a) -> dict:
     return {"out": str(out), "seed": a.seed, "model_sha256": sha256_file(out / "model.safetensors")}
 
 
-COMMANDS = {"compile": cmd_compile, "check": cmd_check, "serve": cmd_serve, "make-tiny-qwen3": cmd_tiny}
+COMMANDS = {"compile": cmd_compile, "check": cmd_check, "serve": cmd_serve, "warm": cmd_warm,
+            "make-tiny-qwen3": cmd_tiny}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "check"):  # before any backend loads libcuda (cudacompat.py says why)
+    if args.command in ("serve", "check", "warm"):  # before any backend loads libcuda (cudacompat.py says why)
         reexec_if_needed(None if argv is None else [sys.executable, "-m", __package__ or "mopt_runtime", *argv])
     logging.basicConfig(level=os.environ.get("MOPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

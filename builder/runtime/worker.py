@@ -46,16 +46,16 @@ def _widen(conn) -> None:
         pass
 
 
-def _worker_main(out_dir: str, batches, conn) -> None:
+def _worker_main(target, batches, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process handles Ctrl-C and SIGTERM
     # No TorchScript is served, but importing Inductor compiles torch.utils.mkldnn's script methods,
     # seconds of a start. Set before torch is imported.
     os.environ.setdefault("PYTORCH_JIT", "0")
     try:
         from .engine import Engine
-        from .guard import resolve
+        from .modelcache import locate
 
-        engine_dir, data = resolve(out_dir)
+        engine_dir, data = locate(target)  # an engine dir through the guard, or a mounted model's cache entry
         engine = Engine.from_info(engine_dir, data)
     except RuntimeToolError as err:
         conn.send(("error", err.exit_code, err.message))
@@ -94,14 +94,15 @@ class EngineProcess:
     come in the order the batches were sent, so the batcher can send the next batch while the worker
     still computes the one before (the pipe holds it): the worker never waits for the server."""
 
-    def __init__(self, out_dir: str | Path):
-        self.out_dir = str(out_dir)
+    def __init__(self, target):
+        """TARGET: an engine dir, or a modelcache.ModelSource (compiled into its cache on a miss)."""
+        self.target = target if not isinstance(target, Path) else str(target)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
         batches_in, self._conn = ctx.Pipe(duplex=False)  # this process sends batches on _conn
         self._answers, answers_out = ctx.Pipe(duplex=False)  # and reads the worker's answers on _answers
         for conn in (self._conn, self._answers):
             _widen(conn)
-        self._proc = ctx.Process(target=_worker_main, args=(self.out_dir, batches_in, answers_out),
+        self._proc = ctx.Process(target=_worker_main, args=(self.target, batches_in, answers_out),
                                  name="mopt-engine", daemon=True)
         self._child_conns = (batches_in, answers_out)
         self.params: EngineParams | None = None

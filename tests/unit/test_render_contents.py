@@ -37,7 +37,8 @@ def _variant(variants, variant_id):
 def _templates(root: Path, override: dict[str, str] | None = None) -> Path:
     """Minimal templates for every backend; `override` adds or replaces files."""
     files = {"base.Dockerfile.j2": "FROM {{ base.ref }}\n", "compile.sh.j2": "echo {{ id }}\n",
-             "final.Dockerfile.j2": "FROM runtime\nLABEL tag={{ tag }}\n"}
+             "final.Dockerfile.j2": "FROM runtime\nLABEL tag={{ tag }}\n",
+             "model-runtime.Dockerfile.j2": "FROM compiler\nLABEL tag={{ tag }}\n"}
     for backend in ("torch-aot", "torch-inductor", "tensorrt", "tensorrt-llm", "vllm"):
         files[f"runtime-{backend}.Dockerfile.j2"] = f"FROM base\nRUN echo {backend}\n"
     files.update(override or {})
@@ -246,8 +247,9 @@ def test_rerender_into_the_same_directory(planned, tmp_path):
     templates = _templates(tmp_path / "t")
     (directory,) = render(matrix, (variant,), tmp_path / "out", templates)
     names = sorted(p.name for p in directory.iterdir())
-    assert names == ["Dockerfile.base", "Dockerfile.final", "Dockerfile.runtime", "compile.sh", "image-info.json",
-                     "manifest.json", "params.json", "smoke-inputs.json"]
+    assert names == ["Dockerfile.base", "Dockerfile.final", "Dockerfile.model-runtime", "Dockerfile.runtime",
+                     "compile.sh", "image-info.json", "manifest.json", "params.json", "runtime-params.json",
+                     "smoke-inputs.json"]
     original = (directory / "Dockerfile.final").read_text()
     (directory / "Dockerfile.final").write_text("tampered\n")
     old = 1_000_000_000

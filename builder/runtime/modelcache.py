@@ -1,0 +1,294 @@
+"""The engine cache of a mounted model (`serve --model-id DIR --cache-dir CACHE`, `warm`).
+
+A runtime image carries no model: the first start compiles the user's model in that container (the
+exact runtime, the actual GPU) into CACHE, and later starts load what it holds. An entry is keyed by
+everything the engine depends on: the model's content digest, the engine parameters, this runtime's
+identity (its own code and every installed distribution), the GPU and the versions the guard compares.
+
+CACHE/engines/<key>/       an engine dir as `compile` writes it (engine/, engine.json, reference.json)
+CACHE/engines/<key>.lock   flock'd while one process checks or compiles that entry; another waits
+CACHE/digests/<stat>.json  a model's content digest, keyed by its files' names, sizes, mtimes and
+                           ctimes, so a warm start does not hash gigabytes of weights again
+
+An entry is served only after the start-up guard (every engine file's sha256 against engine.json, the
+host against the build) and only if its engine.json records this very key and model digest; anything
+else is moved aside and compiled again. The compile runs as a child process (`compile`, the same
+accuracy gate as release builds: exit 4 below --min-cosine), into a temporary dir renamed into place
+once complete, so a killed compile leaves no entry. The lock is flock(2): two containers on one volume
+of one host share it; it is not reliable on network file systems (docs/run-image.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import SCHEMA_VERSION, fingerprint
+from .errors import CompileError, GuardError, UsageError
+from .params import EngineParams
+
+log = logging.getLogger("mopt_runtime.cache")
+
+CACHE_FORMAT = 1  # bump when the key's inputs or the layout change: old entries are then not read
+RUNTIME_ID_ENV = "MOPT_RUNTIME_ID"  # set by a runtime image's build (its stage key): part of the key
+# Fields of the parameters that do not change the engine: where the model is mounted and its name.
+UNKEYED_PARAMS = ("model_dir", "model_name")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `serve --model-id` resolves into an engine dir: picklable (the engine worker resolves it)."""
+
+    model_dir: str
+    cache_dir: str
+    params: EngineParams  # conventions applied, model_dir set
+    min_cosine: float
+    reference_texts: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    engine_dir: Path
+    data: dict  # its engine.json, checked
+    key: str
+    outcome: str  # "hit", "compiled" (no entry) or "rebuilt" (an entry refused)
+    seconds: float
+    reason: str = ""  # why an entry was refused
+
+
+def _event(name: str, **fields) -> None:
+    """A JSON line on stdout, as the server's own events ("loading", "serving")."""
+    print(json.dumps({"event": name, **fields}), flush=True)
+
+
+def _tree_digest(root: Path, suffixes: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def runtime_identity() -> str:
+    """This runtime, as content: Python, the runtime's own files, every installed distribution's name
+    and version, and the image's stage key when its build set one. A rebuilt image with other
+    packages or code computes another identity, so its engines are compiled again."""
+    from importlib import metadata
+
+    dists = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+                    if d.metadata["Name"]})
+    src = {"python": sys.version, "implementation": sys.implementation.name,
+           "runtime": _tree_digest(Path(__file__).parent, (".py", ".yaml", ".json")),
+           "distributions": dists, "image": os.environ.get(RUNTIME_ID_ENV, "")}
+    return hashlib.sha256(json.dumps(src, sort_keys=True).encode()).hexdigest()
+
+
+def _stat_listing(model_dir: Path) -> str:
+    rows = []
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(model_dir).as_posix()
+        if rel.startswith(".cache/"):  # as fingerprint.model_digest
+            continue
+        st = path.stat()
+        rows.append(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}")
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
+def model_digest(model_dir: Path, cache_dir: Path | None) -> str:
+    """fingerprint.model_digest, remembered per stat listing: a file edited in place gets a new ctime
+    (which no user call can set back), so a changed model is hashed again; an unchanged one is not."""
+    if cache_dir is None:
+        return fingerprint.model_digest(model_dir)
+    memo = cache_dir / "digests" / f"{_stat_listing(model_dir)}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        digest = json.loads(memo.read_text())["model_digest"]
+        if isinstance(digest, str) and len(digest) == 64:
+            return digest
+    digest = fingerprint.model_digest(model_dir)
+    with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"model_digest": digest, "model_dir": str(model_dir)}) + "\n")
+        os.replace(tmp, memo)
+    return digest
+
+
+def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float) -> str:
+    keyed = {k: v for k, v in params.to_dict().items() if k not in UNKEYED_PARAMS}
+    host = {"torch": facts.torch, "cuda": facts.cuda, "tensorrt": facts.tensorrt}
+    if params.device == "cuda":  # the GPU and the driver an engine was compiled and timed on
+        host |= {"sm": facts.sm, "gpu_name": facts.gpu_name, "driver": facts.driver}
+    src = {"format": CACHE_FORMAT, "schema": SCHEMA_VERSION, "model": digest, "params": keyed,
+           "runtime": runtime_id, "host": host, "min_cosine": min_cosine}
+    return hashlib.sha256(json.dumps(src, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path, key: str):
+    """flock on LOCK_PATH; None where the cache cannot be written (a read-only, pre-warmed volume)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.info("engine cache not writable (%s): using it read-only", exc.strerror)
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("engine %s: another process is compiling it; waiting for it", key)
+            _event("engine-cache-wait", key=key)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _entry_problem(entry: Path, key: str, digest: str, facts) -> tuple[str | None, dict]:
+    """(None, engine.json) if ENTRY may be served; otherwise (why not, {})."""
+    from .guard import check
+
+    if not (entry / fingerprint.ENGINE_JSON).is_file():
+        return "no engine.json (an incomplete entry)", {}
+    try:
+        data = check(entry, facts)
+    except GuardError as err:
+        return err.message, {}
+    recorded = data.get("cache") or {}
+    if recorded.get("key") != key:
+        return f"its engine.json records key {recorded.get('key')!r}, not {key}", {}
+    if data.get("model_digest") != digest:
+        return "its engine.json records another model digest", {}
+    return None, data
+
+
+def _compile_child(source: ModelSource, tmp: Path, key: str, digest: str) -> None:
+    """`compile` in a child process: its memory (the fp32 reference model, the compiler) is returned to
+    the system when it exits, and the serving process never holds it."""
+    params_file = tmp.parent / f"{tmp.name}.params.json"
+    params_file.write_text(json.dumps(source.params.to_dict()) + "\n")
+    argv = [sys.executable, "-m", __package__, "compile", "--model", source.model_dir, "--out", str(tmp),
+            "--params", str(params_file), "--min-cosine", repr(source.min_cosine), "--cache-key", key,
+            "--force-pooling"]  # conventions were applied already: the params say what was decided
+    if source.reference_texts:
+        texts = tmp.parent / f"{tmp.name}.texts.json"
+        texts.write_text(json.dumps(list(source.reference_texts)))
+        argv += ["--reference-texts", str(texts)]
+    # The child's JSON result goes to stderr with its log: stdout carries this process's events.
+    proc = subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        code = proc.wait()
+    except BaseException:
+        proc.kill()  # the server is stopping: no orphaned compile keeps the lock's work going
+        proc.wait()
+        raise
+    finally:
+        for extra in tmp.parent.glob(f"{tmp.name}.*.json"):
+            extra.unlink(missing_ok=True)
+    if code != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = CompileError(f"compiling {source.model_dir} failed (exit {code}; the log above says why)")
+        err.exit_code = code if code == UsageError.exit_code else CompileError.exit_code  # bad model: 2
+        raise err
+    data = fingerprint.read(tmp)
+    if (data.get("cache") or {}).get("key") != key or data.get("model_digest") != digest:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CompileError(f"the compile of {source.model_dir} recorded another key or model digest "
+                           "(the model changed while it compiled?): start again")
+
+
+def resolve_cached(source: ModelSource, facts=None) -> CacheResult:
+    """The engine dir for SOURCE: a cache entry that passes the guard, or one compiled now."""
+    from .hostinfo import host_facts
+
+    started = time.monotonic()
+    model_dir, cache_dir = Path(source.model_dir), Path(source.cache_dir)
+    facts = facts or host_facts()
+    engines = cache_dir / "engines"
+    with contextlib.suppress(OSError):
+        engines.mkdir(parents=True, exist_ok=True)
+    digest = model_digest(model_dir, cache_dir)
+    key = cache_key(digest, source.params, runtime_identity(), facts, source.min_cosine)
+    entry = engines / key
+    with _locked(engines / f"{key}.lock", key) as writable:
+        problem, data = _entry_problem(entry, key, digest, facts)
+        if problem is None:
+            result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
+            _event("engine-cache", outcome="hit", key=key, seconds=result.seconds)
+            return result
+        exists = entry.exists()
+        if not writable:
+            raise GuardError(f"the engine cache {cache_dir} is read-only and holds no engine for this model, "
+                             f"parameters, runtime and GPU (key {key}: {problem}); mount it writable or warm it "
+                             "with `mopt warm`")
+        if exists:
+            log.warning("engine cache entry %s refused (%s): compiling it again", key, problem)
+            aside = engines / f".refused-{key}-{os.getpid()}"
+            entry.rename(aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        for stale in engines.glob(f".tmp-{key}-*"):  # a compile killed before its rename (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = engines / f".tmp-{key}-{os.getpid()}"
+        log.warning("compiling the engine of %s (key %s, %s %s on %s): the first start for this model, "
+                    "parameters, runtime and GPU; later starts load it from %s", model_dir, key,
+                    source.params.backend, source.params.precision,
+                    f"sm_{facts.sm}" if source.params.device == "cuda" else "cpu", entry)
+        _event("engine-cache-compiling", key=key, model=str(model_dir))
+        _compile_child(source, tmp, key, digest)
+        tmp.rename(entry)
+        problem_after, data = _entry_problem(entry, key, digest, facts)
+        if problem_after is not None:  # the engine just compiled fails its own guard: never served
+            raise GuardError(f"the engine compiled into {entry} fails the start-up guard: {problem_after}")
+        outcome = "rebuilt" if exists else "compiled"
+        result = CacheResult(entry, data, key, outcome, round(time.monotonic() - started, 2), problem if exists else "")
+        _event("engine-cache", outcome=outcome, key=key, seconds=result.seconds, reason=result.reason)
+        log.warning("engine %s %s in %.1fs", key, outcome, result.seconds)
+        return result
+
+
+def model_source(model_id: str, cache_dir: str | None, params: EngineParams, given: set[str], *,
+                 min_cosine: float, force_pooling: bool = False,
+                 reference_texts: list[str] | None = None) -> ModelSource:
+    """Check --model-id and --cache-dir and resolve the parameters against the model's own files."""
+    from .conventions import apply_conventions
+
+    if "://" in model_id:
+        raise UsageError(f"--model-id {model_id}: only a mounted model directory is supported by this runtime; "
+                         "download the model on the host (or `mopt warm` there) and mount it read-only")
+    model = Path(model_id)
+    if not model.is_dir():
+        raise UsageError(f"--model-id {model_id}: not a directory (mount the model, e.g. -v /models/m:/model:ro)")
+    for needed in ("config.json", "tokenizer.json"):
+        if not (model / needed).is_file():
+            raise UsageError(f"--model-id {model_id}: no {needed} there (expected a Hugging Face model dir "
+                             "with a fast tokenizer)")
+    if not cache_dir:
+        raise UsageError("--model-id needs --cache-dir (MOPT_CACHE_DIR): where the compiled engine is kept")
+    cache = Path(cache_dir)
+    if cache.exists() and not cache.is_dir():
+        raise UsageError(f"--cache-dir {cache_dir}: not a directory")
+    if not -1.0 <= min_cosine <= 1.0:
+        raise UsageError(f"--min-cosine must be in -1..1, got {min_cosine}")
+    params = apply_conventions(params, model, given, force=force_pooling)
+    params = replace(params, model_dir=str(model.resolve()), model_name=params.model_name or model.resolve().name)
+    return ModelSource(str(model.resolve()), str(cache.resolve()), params, min_cosine,
+                       tuple(reference_texts) if reference_texts else None)
+
+
+def locate(target: str | Path | ModelSource) -> tuple[Path, dict]:
+    """The engine dir to serve and its checked engine.json: a baked engine dir through the guard
+    (guard.resolve), or a mounted model's cache entry."""
+    if isinstance(target, ModelSource):
+        result = resolve_cached(target)
+        return result.engine_dir, result.data
+    from .guard import resolve
+
+    return resolve(target)
