@@ -210,19 +210,30 @@ def resolve_cached(source: ModelSource, facts=None) -> CacheResult:
     from .hostinfo import host_facts
 
     started = time.monotonic()
+    parts = {}  # where a start's time goes (the events carry it; benchmarks/model_cache_start.py reads it)
+
+    def lap(name: str, t: float) -> float:
+        now = time.monotonic()
+        parts[name] = round(now - t, 3)
+        return now
+
     model_dir, cache_dir = Path(source.model_dir), Path(source.cache_dir)
     facts = facts or host_facts()
+    t = lap("host_facts", started)
     engines = cache_dir / "engines"
     with contextlib.suppress(OSError):
         engines.mkdir(parents=True, exist_ok=True)
     digest = model_digest(model_dir, cache_dir)
+    t = lap("model_digest", t)
     key = cache_key(digest, source.params, runtime_identity(), facts, source.min_cosine)
+    t = lap("runtime_identity", t)
     entry = engines / key
     with _locked(engines / f"{key}.lock", key) as writable:
         problem, data = _entry_problem(entry, key, digest, facts)
+        lap("guard", t)
         if problem is None:
             result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
-            _event("engine-cache", outcome="hit", key=key, seconds=result.seconds)
+            _event("engine-cache", outcome="hit", key=key, seconds=result.seconds, parts=parts)
             return result
         exists = entry.exists()
         if not writable:

@@ -38,6 +38,12 @@ class ServedContainer:
     port: int = 0
 
     def start(self, health_timeout_s: float = 180) -> ServedContainer:
+        self.launch()
+        self.wait_healthy(health_timeout_s)
+        return self
+
+    def launch(self) -> ServedContainer:
+        """`docker run -d`, hardened, and the published port; no wait for readiness."""
         env = [x for k, v in self.env.items() for x in ("-e", f"{k}={v}")]
         # --memory-swap equal to --memory: no swap, so going over the limit is an OOM kill, not a slow-down.
         self.cid = _docker(self.docker, "run", "-d", "--label", LABEL, *HARDENED, "--memory", self.memory,
@@ -45,7 +51,6 @@ class ServedContainer:
                            "-p", f"127.0.0.1::{CONTAINER_PORT}", *env, *self.docker_args, self.image,
                            *self.server_args)
         self.refresh_port()
-        self.wait_healthy(health_timeout_s)
         return self
 
     def refresh_port(self) -> None:
