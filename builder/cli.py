@@ -618,28 +618,64 @@ def doctor(fmt: str, gpu_brand: str) -> None:
 @click.option("--gpu", help="Pretend this GPU (a name from the knowledge base, e.g. 'A10') instead of the host's.")
 @click.option("--sm", help="Pretend this GPU arch instead of the host's.")
 @click.option("--driver", help="Pretend this driver version instead of the host's.")
+@click.option("--cpu-fallback", is_flag=True,
+              help="On a host whose GPU no tag fits, answer the cpu tag (exit 0) instead of exit 3.")
 @gpu_brand_option
 @format_option
 def pick(matrix_path: str, image: str, flavour: str | None, gpu: str | None, sm: str | None, driver: str | None,
-         gpu_brand: str, fmt: str) -> None:
+         cpu_fallback: bool, gpu_brand: str, fmt: str) -> None:
     """Name the published tag of IMAGE that fits this host (driver floor or forward compatibility, sm), or say
-    why none does."""
-    from .doctor import HostFacts, facts_override, query_gpus, target_gpus
-    from .doctor import pick as pick_tag
-    from .plan import make_plan
+    why none does (exit 3).
 
-    matrix = _load(matrix_path)
+    IMAGE is an image of the matrix (qwen3-embed), or a repository in a registry (HOST[:PORT]/NAMESPACE/NAME,
+    e.g. registry.example.com/mopt/qwen3-embed): then its published tags and their labels are read from the
+    registry, and no checkout of this repository is needed."""
+    from .doctor import HostFacts, facts_override, flavour_of, pick_among, plan_candidates, query_gpus, target_gpus
+
     host_driver, host_gpus, _ = query_gpus()  # --gpu/--sm replace the GPUs only: the driver stays the host's
     facts = facts_override(HostFacts(driver=host_driver, gpus=host_gpus), gpu, sm, driver)
     brand = _gpu_brand(gpu_brand, target_gpus(facts.gpus)[0] or facts.gpus)
-    tag, why_not = pick_tag(make_plan(matrix), image, facts, flavour, brand)
-    reference = f"{matrix.namespace}/{image}:{tag}"
+    if "/" in image:
+        candidates, repository = flavour_of(image, _registry_candidates(image), flavour), image
+    else:
+        from .plan import make_plan
+
+        matrix = _load(matrix_path)
+        candidates, repository = plan_candidates(make_plan(matrix), image, flavour), f"{matrix.namespace}/{image}"
+    tag, why_not = pick_among(candidates, image, facts, brand, cpu_fallback=cpu_fallback)
+    reference = f"{repository}:{tag}"
     if fmt == "json":
         _echo_json({"image": image, "tag": tag, "reference": reference, "rejected": why_not})
         return
     click.echo(reference)
     for line in why_not:
         stderr.print(f"  - {escape(line)}")
+
+
+def _registry_candidates(repository: str) -> list:
+    """The tags of REPOSITORY (HOST[:PORT]/PATH) whose image labels name a mopt serving image of that tag."""
+    from .doctor import Candidate
+    from .registry.api import RegistryApi
+    from .registry.credentials import docker_config_dir, load_credentials
+    from .registry.reference import Registry
+
+    host, _, repo = repository.partition("/")
+    if not repo or ":" in repo or "@" in repo or ("." not in host and ":" not in host and host != "localhost"):
+        raise ConfigError(f"{repository!r}: expected HOST[:PORT]/NAMESPACE/NAME (a registry host first, no tag), "
+                          "or an image name of the matrix")
+    registry = Registry.parse(host)
+    config_dir = docker_config_dir(None)
+    api = RegistryApi(registry, load_credentials(registry, config_dir), config_dir=config_dir)
+    try:
+        found = [Candidate.of_labels(tag, api.labels(repo, tag)) for tag in api.tags(repo)]
+    finally:
+        api.close()
+    candidates = [c for c in found if c is not None]
+    if not candidates:
+        raise ConfigError(f"{repository}: no tag there is a mopt serving image (none has io.mopt labels naming "
+                          "its own tag)")
+    # The order the matrix lists flavours is unknown here: tags sorted, so ties break the same way each time.
+    return sorted(candidates, key=lambda c: c.tag)
 
 
 @cli.command("export")

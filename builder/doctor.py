@@ -275,18 +275,63 @@ def inspect_host(gpu_brand: str = "auto") -> HostFacts:
     return HostFacts(driver=driver, gpus=gpus, docker_server=docker_server, runtimes=runtimes, checks=tuple(checks))
 
 
-def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = None,
-         gpu_brand: str | None = None) -> tuple[str, list[str]]:
-    """The published tag of `image` that fits this host, and why each other candidate does not (and,
-    where the tag runs through forward compatibility, how)."""
+@dataclass(frozen=True)
+class Candidate:
+    """A published tag as pick weighs it: from the matrix's plan, or from an image's labels in a registry."""
+
+    tag: str
+    flavour: str
+    device: str
+    sm: str | None = None
+    cuda: str | None = None
+    min_driver: str | None = None
+
+    @classmethod
+    def of_variant(cls, v) -> Candidate:
+        return cls(v.tag, v.flavour, v.device, v.resolved.get("sm"), v.resolved.get("cuda"),
+                   v.resolved.get("min_driver"))
+
+    @classmethod
+    def of_labels(cls, tag: str, labels: dict[str, str]) -> Candidate | None:
+        """None for an image that is not a mopt serving image of this tag (a long tag, a model runtime)."""
+        def label(name: str) -> str | None:
+            value = labels.get(f"io.mopt.{name}")
+            return None if value in (None, "", "none") else value
+
+        if labels.get("org.opencontainers.image.ref.name") != tag or label("device") not in ("cpu", "cuda"):
+            return None
+        return cls(tag, label("flavour") or "", label("device"), label("sm"), label("cuda"), label("driver.min"))
+
+
+def plan_candidates(plan: Plan, image: str, prefer_flavour: str | None = None) -> list[Candidate]:
     variants = [v for v in plan.variants if v.image == image]
     if not variants:
         raise ConfigError(f"image {image!r} is not in the matrix (images: "
                           f"{', '.join(sorted({v.image for v in plan.variants}))})")
-    if prefer_flavour:
-        variants = [v for v in variants if v.flavour == prefer_flavour]
-        if not variants:
-            raise ConfigError(f"image {image!r} has no flavour {prefer_flavour!r}")
+    return flavour_of(image, [Candidate.of_variant(v) for v in variants], prefer_flavour)
+
+
+def flavour_of(image: str, candidates: list[Candidate], prefer_flavour: str | None) -> list[Candidate]:
+    if not prefer_flavour:
+        return candidates
+    chosen = [c for c in candidates if c.flavour == prefer_flavour]
+    if not chosen:
+        raise ConfigError(f"image {image!r} has no flavour {prefer_flavour!r} (flavours: "
+                          f"{', '.join(sorted({c.flavour for c in candidates}))})")
+    return chosen
+
+
+def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = None,
+         gpu_brand: str | None = None, cpu_fallback: bool = False) -> tuple[str, list[str]]:
+    """pick_among the matrix's planned tags of IMAGE."""
+    return pick_among(plan_candidates(plan, image, prefer_flavour), image, facts, gpu_brand, cpu_fallback)
+
+
+def pick_among(candidates: list[Candidate], image: str, facts: HostFacts, gpu_brand: str | None = None,
+               cpu_fallback: bool = False) -> tuple[str, list[str]]:
+    """The published tag of `image` that fits this host, and why each other candidate does not (and,
+    where the tag runs through forward compatibility, how). A host with a GPU that no tag fits gets
+    IncompatibleError unless CPU_FALLBACK: a cpu tag there is a silent slowdown, not an answer."""
     why_not = []
     targets, mixed = target_gpus(facts.gpus)
     if mixed:
@@ -297,39 +342,40 @@ def pick(plan: Plan, image: str, facts: HostFacts, prefer_flavour: str | None = 
                           "--sm (e.g. --sm 90)")
     if targets:
         sm = targets[0].sm
-        same_arch = [v for v in variants if v.device == "cuda" and v.resolved.get("sm") == sm]
-        built = sorted({v.resolved["sm"] for v in variants if v.device == "cuda"}, key=sm_major_minor)
+        same_arch = [c for c in candidates if c.device == "cuda" and c.sm == sm]
+        built = sorted({c.sm for c in candidates if c.device == "cuda" and c.sm}, key=sm_major_minor)
         if not built:
             why_not.append(f"{image} has no GPU tags")
         elif not same_arch:
             why_not.append(f"no tag is built for sm_{sm} "
                            f"(engines are tied to the GPU arch; built: {', '.join('sm_' + s for s in built)})")
         fits, forward = [], {}
-        for v in same_arch:
-            floor = v.resolved.get("min_driver")
-            way = (compat.driver_path(v.resolved["cuda"], facts.driver, gpu_brand, sm=sm)
-                   if floor and facts.driver else None)
+        for c in same_arch:
+            way = (compat.driver_path(c.cuda, facts.driver, gpu_brand, sm=sm)
+                   if c.min_driver and c.cuda and facts.driver else None)
             if way is None or way.path == "native":
-                fits.append(v)
+                fits.append(c)
             elif way.path == "forward":
-                fits.append(v)
-                forward[v.tag] = way
+                fits.append(c)
+                forward[c.tag] = way
             else:
-                why_not.append(f"{v.tag}: CUDA {v.resolved['cuda']} needs driver >= {floor}, this host has "
+                why_not.append(f"{c.tag}: CUDA {c.cuda} needs driver >= {c.min_driver}, this host has "
                                f"{facts.driver}" + (f"; {way.detail}" if way.detail else ""))
         if fits:
             # Newest CUDA that the driver runs (natively or through forward compatibility), default
-            # flavour (first in the matrix) on ties.
-            order = {f: i for i, f in enumerate(dict.fromkeys(v.flavour for v in variants))}
-            best = max(fits, key=lambda v: (parse_version(v.resolved["cuda"]), -order[v.flavour]))
+            # flavour (first listed) on ties.
+            order = {f: i for i, f in enumerate(dict.fromkeys(c.flavour for c in candidates))}
+            best = max(fits, key=lambda c: (parse_version(c.cuda or "0"), -order[c.flavour]))
             if best.tag in forward:
                 why_not.append(f"{best.tag} runs through forward compatibility: {forward[best.tag].detail}")
             return best.tag, why_not
-    cpu = [v for v in variants if v.device == "cpu"]
-    if cpu:
-        reason = "no GPU on this host" if not facts.gpus else "no GPU tag fits this host"
+    cpu = [c for c in candidates if c.device == "cpu"]
+    if cpu and (not facts.gpus or cpu_fallback):
+        reason = "no GPU on this host" if not facts.gpus else "no GPU tag fits this host (--cpu-fallback)"
         why_not.append(f"{reason}: using the cpu variant")
         return cpu[0].tag, why_not
+    if cpu:
+        why_not.append(f"{cpu[0].tag} would run on the CPU: pass --cpu-fallback to take it")
     detail = "; ".join(why_not) or "no NVIDIA GPU on this host and the image has no cpu variant"
     raise IncompatibleError(f"no published tag of {image} fits this host: {detail}")
 

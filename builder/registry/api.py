@@ -39,6 +39,7 @@ MANIFEST_TYPES = (
     "application/vnd.docker.distribution.manifest.v2+json",
 )
 INDEX_TYPES = MANIFEST_TYPES[:2]
+MAX_TAGS = 5000  # a repository's tags read by `mopt pick --registry` at most
 ACCEPT = ", ".join(MANIFEST_TYPES)
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -258,6 +259,50 @@ class RegistryApi:
             raise PublishError(f"manifest {repo}:{reference} is not JSON") from exc
         media = body.get("mediaType") or resp.headers.get("Content-Type", "").split(";")[0]
         return Manifest(body_digest, media, body, resp.content)
+
+    def tags(self, repo: str, limit: int = MAX_TAGS) -> list[str]:
+        """REPO's tags (the registry's tags/list, followed page by page through its Link header), at most
+        LIMIT: a registry that answers more is refused, not read without end."""
+        path, found = f"/v2/{repo}/tags/list?n=1000", []
+        while path:
+            resp = self.request("GET", path, scope=f"repository:{repo}:pull")
+            if resp.status_code == 404:
+                raise PublishError(f"{self.registry.host}/{repo}: no such repository")
+            if resp.status_code != 200:
+                raise PublishError(f"GET tags of {repo} from {self.registry.host} answered HTTP {resp.status_code}")
+            try:
+                page = resp.json().get("tags") or []
+            except ValueError as exc:
+                raise PublishError(f"the tag list of {repo} from {self.registry.host} is not JSON") from exc
+            found += [t for t in page if isinstance(t, str)]
+            if len(found) > limit:
+                raise PublishError(f"{self.registry.host}/{repo} has more than {limit} tags")
+            link = re.match(r"<([^>]+)>", resp.headers.get("Link", ""))
+            path = link.group(1) if link and link.group(1).startswith("/v2/") else ""
+        return found
+
+    def labels(self, repo: str, reference: str) -> dict[str, str]:
+        """The image config's labels of REPO:REFERENCE (an index: its linux/amd64 image); {} when absent."""
+        m = self.manifest(repo, reference)
+        if m is None:
+            return {}
+        if m.media_type in INDEX_TYPES or "manifests" in m.body:
+            chosen = [e for e in m.body.get("manifests", []) if (e.get("platform") or {}).get("os") == "linux"
+                      and (e.get("platform") or {}).get("architecture") == "amd64"]
+            if not chosen:
+                return {}
+            m = self.manifest(repo, chosen[0]["digest"])
+            if m is None:
+                return {}
+        config_digest = (m.body.get("config") or {}).get("digest")
+        if not isinstance(config_digest, str):
+            return {}
+        try:
+            config = json.loads(self.get_blob(repo, config_digest, max_bytes=4 * 1024 * 1024))
+        except ValueError as exc:
+            raise PublishError(f"the image config of {repo}:{reference} is not JSON") from exc
+        labels = (config.get("config") or {}).get("Labels") or {}
+        return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
 
     def put_manifest(self, repo: str, tag: str, m: Manifest) -> str:
         """Point TAG at exactly manifest M (its bytes, so its digest): a tag moves without a push."""

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from builder.doctor import Gpu, HostFacts, facts_override, pick
-from builder.errors import ConfigError
+from builder.errors import ConfigError, IncompatibleError
 from builder.matrix import load_matrix
 from builder.plan import make_plan
 from tests.conftest import run_mopt
@@ -32,10 +32,17 @@ def test_pick_flavour(plan):
     assert pick(plan, "qwen3-embed", facts, "vllm")[0] == "cu130-sm90-vllm"
 
 
-def test_pick_unsupported_arch_falls_back_to_cpu_and_says_why(plan):
+def test_pick_unsupported_arch_refuses_unless_the_cpu_fallback_is_asked_for(plan):
     facts = HostFacts(driver="580.82.07", gpus=(Gpu(0, "Tesla P100", "6.0"),))
-    tag, why = pick(plan, "qwen3-embed", facts)
+    with pytest.raises(IncompatibleError) as exc:
+        pick(plan, "qwen3-embed", facts)
+    assert exc.value.exit_code == 3 and exc.value.message == (
+        "no published tag of qwen3-embed fits this host: no tag is built for sm_60 (engines are tied to the GPU "
+        "arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, sm_100, sm_120); cpu would run on the CPU: pass "
+        "--cpu-fallback to take it")
+    tag, why = pick(plan, "qwen3-embed", facts, cpu_fallback=True)
     assert tag == "cpu" and "no tag is built for sm_60" in why[0]
+    assert why[-1] == "no GPU tag fits this host (--cpu-fallback): using the cpu variant"
 
 
 def test_pick_without_cpu_variant_is_incompatible(plan):
@@ -60,7 +67,7 @@ def test_pick_unknown_image(plan):
     assert exc.value.message == "image 'nope' is not in the matrix (images: minilm-embed, qwen3-chat, qwen3-embed)"
     with pytest.raises(ConfigError) as exc:
         pick(plan, "qwen3-embed", HostFacts(), "nope")
-    assert exc.value.message == "image 'qwen3-embed' has no flavour 'nope'"
+    assert exc.value.message == "image 'qwen3-embed' has no flavour 'nope' (flavours: aot, cpu, tensorrt, vllm)"
 
 
 def test_overrides_from_gpu_name_and_sm():
@@ -108,3 +115,23 @@ def test_doctor_on_a_host_without_gpu():
     assert names["docker"]["status"] == "ok", names["docker"]
     assert data["gpus"] == [] and names["nvidia-driver"]["status"] == "info"
     assert result.returncode == 0
+
+
+def test_candidates_from_labels_skip_long_tags_and_foreign_images():
+    from builder.doctor import Candidate, pick_among
+
+    labels = {"org.opencontainers.image.ref.name": "cu130-sm90", "io.mopt.flavour": "aot", "io.mopt.device": "cuda",
+              "io.mopt.cuda": "13.0", "io.mopt.sm": "90", "io.mopt.driver.min": "580.65.06"}
+    short = Candidate.of_labels("cu130-sm90", labels)
+    assert short == Candidate("cu130-sm90", "aot", "cuda", "90", "13.0", "580.65.06")
+    assert Candidate.of_labels("cu130-sm90-aot-torch2.13.0-b1", labels) is None  # a long tag: same image
+    assert Candidate.of_labels("latest", {}) is None  # not a mopt image
+    assert Candidate.of_labels("x", {"org.opencontainers.image.ref.name": "x", "io.mopt.device": "tpu"}) is None
+    cpu = Candidate.of_labels("cpu", {"org.opencontainers.image.ref.name": "cpu", "io.mopt.device": "cpu",
+                                      "io.mopt.sm": "none", "io.mopt.cuda": "none", "io.mopt.flavour": "cpu"})
+    assert (cpu.sm, cpu.cuda, cpu.min_driver) == (None, None, None)
+    h200 = HostFacts(driver="580.82.07", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))
+    assert pick_among([cpu, short], "qwen3-embed", h200) == ("cu130-sm90", [])
+    old_driver = HostFacts(driver="570.86.10", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))
+    with pytest.raises(IncompatibleError, match="cpu would run on the CPU: pass --cpu-fallback"):
+        pick_among([cpu, short], "qwen3-embed", old_driver)

@@ -448,27 +448,29 @@ def test_pick_lines_word_for_word(plan):
     assert pick(plan, "qwen3-embed", HostFacts(driver=None, gpus=(h100,)), gpu_brand="datacenter") == (
         "cu130-sm90", [])
     # a branch no forward compatibility could change: the reason names the floor and nothing more
-    tag, why = pick(plan, "qwen3-embed", HostFacts(driver="520.61.05", gpus=(h100,)))
+    tag, why = pick(plan, "qwen3-embed", HostFacts(driver="520.61.05", gpus=(h100,)), cpu_fallback=True)
     assert tag == "cpu" and "cu128-sm90: CUDA 12.8 needs driver >= 570.26, this host has 520.61.05" in why
-    assert why[-1] == "no GPU tag fits this host: using the cpu variant"
-    tag, why = pick(plan, "qwen3-embed", HostFacts(driver="535", gpus=(Gpu(0, "NVIDIA P40", "6.1"),)))
+    assert why[-1] == "no GPU tag fits this host (--cpu-fallback): using the cpu variant"
+    tag, why = pick(plan, "qwen3-embed", HostFacts(driver="535", gpus=(Gpu(0, "NVIDIA P40", "6.1"),)),
+                    cpu_fallback=True)
     assert (tag, why) == ("cpu", [
         "no tag is built for sm_61 (engines are tied to the GPU arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, "
-        "sm_100, sm_120)", "no GPU tag fits this host: using the cpu variant"])
+        "sm_100, sm_120)", "no GPU tag fits this host (--cpu-fallback): using the cpu variant"])
     assert pick(plan, "qwen3-embed", HostFacts()) == ("cpu", ["no GPU on this host: using the cpu variant"])
     # several archs: the first GPU's is picked for, the others named in compute-capability order (sm_80
     # before sm_110, not after it as text); one whose arch is unknown is left out
     three = HostFacts(driver="535", gpus=(Gpu(0, "NVIDIA P40", "6.1"), Gpu(1, "Jetson Thor", "11.0"),
                                           Gpu(2, "NVIDIA A100", "8.0"), Gpu(3, "NVIDIA Foo", None)))
-    assert pick(plan, "qwen3-embed", three)[1][:2] == [
+    assert pick(plan, "qwen3-embed", three, cpu_fallback=True)[1][:2] == [
         "this host's GPUs differ (GPU 0 (NVIDIA P40, sm_61); GPU 1 (Jetson Thor, sm_110); GPU 2 (NVIDIA A100, sm_80); "
         "GPU 3 (NVIDIA Foo, compute capability unknown)): picked for sm_61, the arch of GPU 0; for the others pass "
         "--sm 80 or --sm 110",
         "no tag is built for sm_61 (engines are tied to the GPU arch; built: sm_75, sm_80, sm_86, sm_89, sm_90, "
         "sm_100, sm_120)"]
     # an image with no GPU tags says so on a GPU host (seen on the H200: benchmarks/gpu_host_probe.py)
-    assert pick(plan, "minilm-embed", HostFacts(driver="580.159.04", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))) == (
-        "cpu", ["minilm-embed has no GPU tags", "no GPU tag fits this host: using the cpu variant"])
+    assert pick(plan, "minilm-embed", HostFacts(driver="580.159.04", gpus=(Gpu(0, "NVIDIA H200", "9.0"),)),
+                cpu_fallback=True) == (
+        "cpu", ["minilm-embed has no GPU tags", "no GPU tag fits this host (--cpu-fallback): using the cpu variant"])
     # GPUs of one arch with one whose arch is unknown: still a note, and no --sm to suggest
     odd = HostFacts(driver="580.65.06", gpus=(Gpu(0, "NVIDIA Foo", None), Gpu(1, "NVIDIA H100", "9.0")))
     tag, why = pick(plan, "qwen3-embed", odd)
@@ -568,7 +570,7 @@ def test_pick_and_doctor_hold_forward_compatibility_to_the_gpus_arch(plan):
     assert cuda_paths_check("535.104.05", ("datacenter", "given"), "100").detail == (
         "product line datacenter (given); driver 535.104.05: CUDA 11.8, 12.0, 12.1, 12.2 natively")
     b200 = HostFacts(driver="535.104.05", gpus=(Gpu(0, "NVIDIA B200", "10.0"),))
-    tag, why = pick(plan, "qwen3-embed", b200, gpu_brand="datacenter")
+    tag, why = pick(plan, "qwen3-embed", b200, gpu_brand="datacenter", cpu_fallback=True)
     assert tag == "cpu" and any(line.startswith("cu128-sm100: CUDA 12.8 needs driver >= 570.26, this host has "
                                                 "535.104.05; driver 535.104.05 predates sm_100") for line in why)
 
