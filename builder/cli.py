@@ -499,6 +499,25 @@ def build_runtime(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca
             click.echo(f"{variant.id}: {built.references[0]} {built.image_id} ({built.size_bytes / 1e9:.2f} GB)")
 
 
+@cli.command("warm", context_settings={"ignore_unknown_options": True})
+@click.argument("image")
+@click.option("--model", "model", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="The model directory to serve (mounted read-only).")
+@click.option("--cache", "cache", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="The engine cache directory to fill (mount it as the containers' /cache).")
+@click.argument("runtime_args", nargs=-1, type=click.UNPROCESSED)
+def warm_cmd(image: str, model: Path, cache: Path, runtime_args: tuple[str, ...]) -> None:
+    """Compile a model runtime image's engine for MODEL into CACHE ahead of the first start.
+
+    Runs in IMAGE itself, on this host's GPU for a CUDA image: the cache fits hosts of the same GPU, driver and
+    image. Engine flags after the options reach the runtime (e.g. --max-seq-len 1024)."""
+    from .dockerclient import find_docker
+    from .warm import warm
+
+    result = warm(find_docker(), image, model, cache, runtime_args, log=click.echo)
+    click.echo(f"{result.outcome}: {result.engine_dir} (key {result.key}, {result.seconds:.1f}s)")
+
+
 @cli.command("test")
 @matrix_option
 @select_option

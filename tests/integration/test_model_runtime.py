@@ -175,3 +175,22 @@ def test_two_containers_on_one_volume_compile_once_and_both_serve(docker_cli, ru
     finally:
         for c in containers:
             c.stop()
+
+
+@pytest.mark.timeout(1200)
+def test_mopt_warm_fills_a_cache_that_containers_start_from(docker_cli, runtime_image, model_copy, reference,
+                                                           tmp_path):
+    cache = tmp_path / "warmed"
+    warmed = mopt_cli("warm", runtime_image, "--model", str(model_copy), "--cache", str(cache), timeout=1200)
+    assert warmed.returncode == 0, warmed.stdout[-2000:] + warmed.stderr[-2000:]
+    assert warmed.stdout.strip().splitlines()[-1].startswith("compiled: ")
+    container = ServedContainer(docker_cli.path, runtime_image, ("--model-id", "/model"), memory="2g",
+                                pids_limit=256, docker_args=("-v", f"{model_copy}:/model:ro", "-v", f"{cache}:/cache"))
+    try:
+        container.start(health_timeout_s=120)
+        assert cache_event(container)["outcome"] == "hit"
+        check_embeddings(container, reference)
+    finally:
+        container.stop()
+    baked = mopt_cli("warm", "mopt/minilm-embed:cpu", "--model", str(model_copy), "--cache", str(tmp_path / "x"))
+    assert baked.returncode == 2 and "not a model runtime image" in baked.stderr
