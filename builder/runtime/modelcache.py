@@ -152,6 +152,38 @@ def _locked(lock_path: Path, key: str):
         os.close(fd)  # releases the lock
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _sweep(engines: Path, held: str) -> None:
+    """Remove what killed compiles left (.tmp-KEY-PID and its files): for HELD, whose lock this process
+    holds, all of it; for another key, only when its lock is free (no compile of it is running)."""
+    stale: dict[str, list[Path]] = {}
+    for path in engines.glob(".tmp-*"):
+        stale.setdefault(path.name.split("-")[1], []).append(path)
+    for key, paths in stale.items():
+        if key == held:
+            for path in paths:
+                _remove(path)
+            continue
+        try:
+            fd = os.open(engines / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for path in paths:
+                _remove(path)
+        except BlockingIOError:
+            pass  # its compile is running
+        finally:
+            os.close(fd)
+
+
 def _entry_problem(entry: Path, key: str, digest: str, facts) -> tuple[str | None, dict]:
     """(None, engine.json) if ENTRY may be served; otherwise (why not, {})."""
     from .guard import check
@@ -170,6 +202,16 @@ def _entry_problem(entry: Path, key: str, digest: str, facts) -> tuple[str | Non
     return None, data
 
 
+def _die_with_parent() -> None:
+    """In the compile child, before exec: SIGKILL when the process that started it dies (a server stopped
+    during its first start must not leave a compile running; prctl PR_SET_PDEATHSIG, Linux)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def _compile_child(source: ModelSource, tmp: Path, key: str, digest: str) -> None:
     """`compile` in a child process: its memory (the fp32 reference model, the compiler) is returned to
     the system when it exits, and the serving process never holds it."""
@@ -183,7 +225,8 @@ def _compile_child(source: ModelSource, tmp: Path, key: str, digest: str) -> Non
         texts.write_text(json.dumps(list(source.reference_texts)))
         argv += ["--reference-texts", str(texts)]
     # The child's JSON result goes to stderr with its log: stdout carries this process's events.
-    proc = subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks taken
     try:
         code = proc.wait()
     except BaseException:
@@ -245,8 +288,7 @@ def resolve_cached(source: ModelSource, facts=None) -> CacheResult:
             aside = engines / f".refused-{key}-{os.getpid()}"
             entry.rename(aside)
             shutil.rmtree(aside, ignore_errors=True)
-        for stale in engines.glob(f".tmp-{key}-*"):  # a compile killed before its rename (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
+        _sweep(engines, key)
         tmp = engines / f".tmp-{key}-{os.getpid()}"
         log.warning("compiling the engine of %s (key %s, %s %s on %s): the first start for this model, "
                     "parameters, runtime and GPU; later starts load it from %s", model_dir, key,

@@ -99,8 +99,20 @@ def in_volume(docker_cli, image: str, volume: str, script: str) -> str:
 @pytest.mark.timeout(1500)
 def test_first_start_compiles_a_second_loads_and_a_changed_model_compiles_again(
         docker_cli, runtime_image, model_copy, volume, reference):
-    first, first_s = run(docker_cli, runtime_image, model_copy, volume)
+    first = ServedContainer(docker_cli.path, runtime_image, ("--model-id", "/model"), memory="2g", pids_limit=256,
+                            docker_args=("-v", f"{model_copy}:/model:ro", "-v", f"{volume}:/cache"))
+    started = time.monotonic()
+    first.launch()
     try:
+        # While it compiles: alive (liveness 200), not ready (503), the compile announced on stdout.
+        deadline = time.monotonic() + 120
+        while '"engine-cache-compiling"' not in first.logs() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert request(first.port, "GET", "/health")[0] == 200
+        status, _, body = request(first.port, "GET", "/ready")
+        assert status == 503 and b"loading" in body
+        first.wait_healthy(600)
+        first_s = time.monotonic() - started
         event = cache_event(first)
         assert event["outcome"] == "compiled", event
         check_embeddings(first, reference)

@@ -237,3 +237,62 @@ def test_engine_params_from_the_image_and_flags(tiny, tmp_path, monkeypatch, cap
     args = build_parser().parse_args(["warm", "--model-id", str(tiny), "--cache-dir", str(tmp_path)])
     with pytest.raises(UsageError, match="max_seq_len must be int"):
         _model_source(args)
+
+
+def test_what_a_killed_compile_left_is_swept_unless_its_compile_still_runs(tmp_path):
+    import fcntl
+
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    for key in ("a" * 32, "b" * 32, "c" * 32):
+        (engines / f".tmp-{key}-41").mkdir()
+        (engines / f".tmp-{key}-41" / "part").write_text("x")
+        (engines / f".tmp-{key}-41.params.json").write_text("{}")
+    running = os.open(engines / f"{'c' * 32}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(running, fcntl.LOCK_EX)  # another process compiles c now
+    try:
+        modelcache._sweep(engines, "a" * 32)
+    finally:
+        os.close(running)
+    left = sorted(p.name for p in engines.iterdir() if not p.name.endswith(".lock"))
+    assert left == [f".tmp-{'c' * 32}-41", f".tmp-{'c' * 32}-41.params.json"]
+
+
+def compiling(model: Path) -> list[int]:
+    """Processes whose command line is a compile of MODEL (read from /proc: no procps needed)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"compile" in argv and str(model).encode() in argv:
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+def test_a_server_stopped_during_its_first_compile_leaves_no_compile_running(tiny, tmp_path):
+    """SIGTERM while the first start compiles: the server exits 0 and its compile child dies with it
+    (PR_SET_PDEATHSIG); the next start sweeps the remains and compiles."""
+    import signal
+    import time
+
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-m", "builder.runtime", "serve", "--model-id", str(tiny),
+                             "--cache-dir", str(cache), *FLAGS, "--host", "127.0.0.1", "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((cache / "engines").glob(".tmp-*/")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)
+        assert compiling(tiny), "the compile child was running"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and '"event": "stopped"' in out
+    time.sleep(1)
+    assert not compiling(tiny)
+    assert modelcache.resolve_cached(source(tiny, cache)).outcome == "compiled"
+    assert not list((cache / "engines").glob(".tmp-*"))
