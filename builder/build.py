@@ -108,6 +108,10 @@ class ModelRuntimeResult:
     stages: tuple[StageRecord, ...]
     size_bytes: int
 
+    @property
+    def runtime(self) -> StageRecord:
+        return next(s for s in self.stages if s.name == "runtime")
+
 
 def default_ca_bundle() -> Path | None:
     """The extra CA for builds: $MOPT_CA_BUNDLE, else the host bundle (a TLS proxy's CA lives there)."""
@@ -384,9 +388,7 @@ class Builder:
             compiler = self._toolchain(variant, render_dir, runtime, keys["toolchain"], lock_files, lock_digest)
             stages.append(compiler)
 
-        client, choice, pinned = self._choose_model(variant, entry.recipe)
-        model = materialise(entry.recipe, choice, self.state.models, lambda line: self.log("  " + line),
-                            generate=self._generate_model(variant, runtime), hub=client, pinned=pinned)
+        model = self.model(variant, runtime)
         compiled = self._compile(variant, rendered, render_dir, compiler, model)
         stages.append(compiled)
         engine_dir = Path(compiled.image)
@@ -428,6 +430,13 @@ class Builder:
             dimension=model.dimension, notes=(model.note,) if model.note else ())
         self._record(variant, result)
         return result
+
+    def model(self, variant: Variant, runtime: StageRecord) -> LocalModel:
+        """The variant's model on this host (the recipe's, or its substitute), fetched once into the state."""
+        recipe = self.matrix.image(variant.image).recipe
+        client, choice, pinned = self._choose_model(variant, recipe)
+        return materialise(recipe, choice, self.state.models, lambda line: self.log("  " + line),
+                           generate=self._generate_model(variant, runtime), hub=client, pinned=pinned)
 
     def model_runtime(self, variant: Variant) -> ModelRuntimeResult:
         """The variant's runtime with the compiler its engine's compile needs, and no model: it compiles a

@@ -473,14 +473,20 @@ def lock(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, 
 @state_option
 @hermetic_options
 @click.option("--locked", is_flag=True, help="Install exactly what mopt.lock.json pins (fails when it is stale).")
+@registry_option(False, "Publish each image that passed its smoke test to this registry (REPOSITORY-runtime).")
+@click.option("--dry-run", is_flag=True, help="With --registry: say which tags would move, move none.")
 def build_runtime(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
-                  extra_index_url, models, locked: bool) -> None:
-    """Build the selected variants' model runtime images: the runtime and compiler, no model.
+                  extra_index_url, models, locked: bool, registry: str | None, dry_run: bool) -> None:
+    """Build, smoke-test and (with --registry) publish the selected variants' model runtime images: the runtime
+    and compiler, no model.
 
     Tagged REPOSITORY-runtime:TAG (mopt/minilm-embed-runtime:cpu); `docker run -v MODEL:/model:ro -v
-    CACHE:/cache IMAGE --model-id /model` compiles the mounted model on its first start (docs/run-image.md)."""
+    CACHE:/cache IMAGE --model-id /model` compiles the mounted model on its first start (docs/run-image.md).
+    The smoke test runs it that way with the variant's own model and checks the answers against the fp32
+    reference of that first compile; only images that pass are published (long tag first)."""
     from .backends import backend as backend_spec
     from .build import Builder
+    from .modelruntime import release_runtime
     from .plan import make_plan
     from .statelock import state_lock
 
@@ -489,14 +495,20 @@ def build_runtime(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca
     matrix, result = _plan(matrix_path, select)
     if not result.variants:
         raise ConfigError("no planned variant matches --select; nothing to build")
+    for variant in result.variants:
+        if backend_spec(variant.backend).own_server:
+            raise ConfigError(f"{variant.id}: the {variant.backend} backend is served by its own server; "
+                              "its images carry their model (no model runtime image)")
     with state_lock(options.state.root, "mopt build-runtime", log=click.echo):
         builder = Builder(matrix, make_plan(matrix).variants, options, log=click.echo)
         for variant in result.variants:
-            if backend_spec(variant.backend).own_server:
-                raise ConfigError(f"{variant.id}: the {variant.backend} backend is served by its own server; "
-                                  "its images carry their model (no model runtime image)")
-            built = builder.model_runtime(variant)
-            click.echo(f"{variant.id}: {built.references[0]} {built.image_id} ({built.size_bytes / 1e9:.2f} GB)")
+            done = release_runtime(builder, variant, registry, dry_run, log=click.echo)
+            built = done.built
+            click.echo(f"{variant.id}: {built.references[0]} {built.image_id} ({built.size_bytes / 1e9:.2f} GB), "
+                       f"smoke passed (first start {done.smoke.start_seconds:.1f}s, min cosine "
+                       f"{done.smoke.min_cosine:.5f})")
+            for pushed in done.published:
+                click.echo(f"  published {', '.join(pushed.references)} ({pushed.digest})")
 
 
 @cli.command("warm", context_settings={"ignore_unknown_options": True})

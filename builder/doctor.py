@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import compat
-from .errors import ConfigError, IncompatibleError, quoted
+from .errors import ConfigError, IncompatibleError, MoptError, quoted
 from .plan import Plan
 from .versions import cc_to_sm, normalize_driver, normalize_sm, parse_version, sm_major_minor, sm_to_cc
 
@@ -300,7 +300,13 @@ class Candidate:
 
         if labels.get("org.opencontainers.image.ref.name") != tag or label("device") not in ("cpu", "cuda"):
             return None
-        return cls(tag, label("flavour") or "", label("device"), label("sm"), label("cuda"), label("driver.min"))
+        sm, cuda, floor = label("sm"), label("cuda"), label("driver.min")
+        # Labels come from whoever pushed the image: a value of the wrong shape makes it no candidate.
+        if label("device") == "cuda" and not (sm and re.fullmatch(r"\d{2,3}", sm)
+                                              and cuda and re.fullmatch(r"\d+\.\d+", cuda)
+                                              and (floor is None or re.fullmatch(r"\d+(\.\d+){0,2}", floor))):
+            return None
+        return cls(tag, label("flavour") or "", label("device"), sm, cuda, floor)
 
 
 def plan_candidates(plan: Plan, image: str, prefer_flavour: str | None = None) -> list[Candidate]:
@@ -351,8 +357,12 @@ def pick_among(candidates: list[Candidate], image: str, facts: HostFacts, gpu_br
                            f"(engines are tied to the GPU arch; built: {', '.join('sm_' + s for s in built)})")
         fits, forward = [], {}
         for c in same_arch:
-            way = (compat.driver_path(c.cuda, facts.driver, gpu_brand, sm=sm)
-                   if c.min_driver and c.cuda and facts.driver else None)
+            try:
+                way = (compat.driver_path(c.cuda, facts.driver, gpu_brand, sm=sm)
+                       if c.min_driver and c.cuda and facts.driver else None)
+            except MoptError as exc:  # a CUDA this mopt does not know (a newer release's tag)
+                why_not.append(f"{c.tag}: {exc.message}")
+                continue
             if way is None or way.path == "native":
                 fits.append(c)
             elif way.path == "forward":

@@ -33,25 +33,49 @@ def _image_config(docker: DockerCli, image: str) -> dict:
     return json.loads(found.stdout)
 
 
+CACHE_ENTRIES = {"engines", "digests"}  # what a mopt engine cache holds at its top
+
+
 def _cache_user(config: dict, cache: Path) -> str:
-    """Who the compile runs as: the image's user when mopt runs as root (the cache dir is handed to it,
-    so the served containers, which run as that user, can lock and rebuild entries), else the caller."""
+    """Who the compile runs as: the image's user when mopt runs as root (the cache dir and its two top
+    directories are handed to it, so the served containers, which run as that user, can lock and write
+    entries), else the caller. Nothing else is chowned: no recursion, no symlink followed."""
     if os.getuid() != 0:
         return f"{os.getuid()}:{os.getgid()}"
     user = config.get("User") or "0"
     uid, _, gid = user.partition(":")
     if not uid.isdigit() or (gid and not gid.isdigit()):
         raise ConfigError(f"the image's user {user!r} is not numeric: cannot hand {cache} to it")
-    for path in (cache, *cache.rglob("*")):
-        os.chown(path, int(uid), int(gid or uid), follow_symlinks=False)
+    for path in (cache, *(cache / name for name in sorted(CACHE_ENTRIES))):
+        if path.is_dir() and not path.is_symlink():
+            os.chown(path, int(uid), int(gid or uid), follow_symlinks=False)
     return f"{uid}:{gid or uid}"
+
+
+def _check_paths(model: Path, cache: Path, runtime_args: tuple[str, ...]) -> None:
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+    outside = [p for p in model.rglob("*") if p.is_symlink() and not p.resolve().is_relative_to(model)]
+    if outside:
+        raise ConfigError(f"--model {model}: {outside[0].relative_to(model)} links outside the directory (a hub "
+                          "cache snapshot?): the container would not see its target; copy the files (cp -L)")
+    if cache.is_symlink() or (cache.exists() and not cache.is_dir()):
+        raise ConfigError(f"--cache {cache}: not a directory")
+    if cache.is_dir() and set(p.name for p in cache.iterdir()) - CACHE_ENTRIES:
+        raise ConfigError(f"--cache {cache}: not empty and not a mopt engine cache (it holds more than "
+                          f"{' and '.join(sorted(CACHE_ENTRIES))}/)")
+    if cache.is_relative_to(model) or model.is_relative_to(cache):
+        raise ConfigError(f"--cache {cache} and --model {model} overlap")
+    given = {a.split("=", 1)[0] for a in runtime_args}
+    for flag in ("--model-id", "--cache-dir"):
+        if flag in given:
+            raise ConfigError(f"{flag} is set by mopt warm (--model, --cache): drop it from the runtime's flags")
 
 
 def warm(docker: DockerCli, image: str, model: Path, cache: Path, runtime_args: tuple[str, ...] = (),
          log=print) -> WarmResult:
-    model, cache = model.resolve(), cache.resolve()
-    if not (model / "config.json").is_file():
-        raise ConfigError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+    model, cache = model.resolve(), cache.absolute()
+    _check_paths(model, cache, runtime_args)
     config = _image_config(docker, image)
     labels = config.get("Labels") or {}
     if labels.get("io.mopt.model") != "none":
@@ -72,6 +96,10 @@ def warm(docker: DockerCli, image: str, model: Path, cache: Path, runtime_args: 
     if done.returncode != 0:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
         raise BuildError(f"warming {image} failed (exit {done.returncode}):\n{tail}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    engine = cache / Path(result["engine_dir"]).relative_to(CONTAINER_CACHE)
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        engine = cache / Path(result["engine_dir"]).relative_to(CONTAINER_CACHE)
+    except (IndexError, ValueError, KeyError, TypeError) as exc:
+        raise BuildError(f"warming {image}: the runtime's answer was not the expected JSON ({exc!r}): "
+                         f"{done.stdout.strip()[-300:]!r}") from None
     return WarmResult(image, result["key"], result["outcome"], result["seconds"], engine)

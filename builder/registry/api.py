@@ -39,7 +39,20 @@ MANIFEST_TYPES = (
     "application/vnd.docker.distribution.manifest.v2+json",
 )
 INDEX_TYPES = MANIFEST_TYPES[:2]
-MAX_TAGS = 5000  # a repository's tags read by `mopt pick --registry` at most
+MAX_TAGS = 5000  # a repository's tags read by `mopt pick HOST/REPO` at most
+MAX_TAG_PAGES = 100
+TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # the OCI distribution spec's tag grammar
+
+
+def _next_page(link: str) -> str:
+    """The path of a tags/list Link header's next page (relative, or absolute on any host: the path only)."""
+    found = re.match(r"\s*<([^>]+)>", link)
+    if not found:
+        return ""
+    target = found.group(1)
+    if "://" in target:
+        target = "/" + target.split("://", 1)[1].partition("/")[2]
+    return target if target.startswith("/v2/") else ""
 ACCEPT = ", ".join(MANIFEST_TYPES)
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -263,45 +276,52 @@ class RegistryApi:
     def tags(self, repo: str, limit: int = MAX_TAGS) -> list[str]:
         """REPO's tags (the registry's tags/list, followed page by page through its Link header), at most
         LIMIT: a registry that answers more is refused, not read without end."""
-        path, found = f"/v2/{repo}/tags/list?n=1000", []
+        path, found, seen = f"/v2/{repo}/tags/list?n=1000", [], set()
         while path:
+            if path in seen or len(seen) >= MAX_TAG_PAGES:
+                raise PublishError(f"{self.registry.host}/{repo}: the tag list does not end (page {len(seen) + 1})")
+            seen.add(path)
             resp = self.request("GET", path, scope=f"repository:{repo}:pull")
             if resp.status_code == 404:
                 raise PublishError(f"{self.registry.host}/{repo}: no such repository")
             if resp.status_code != 200:
                 raise PublishError(f"GET tags of {repo} from {self.registry.host} answered HTTP {resp.status_code}")
             try:
-                page = resp.json().get("tags") or []
+                body = resp.json()
             except ValueError as exc:
                 raise PublishError(f"the tag list of {repo} from {self.registry.host} is not JSON") from exc
-            found += [t for t in page if isinstance(t, str)]
+            page = body.get("tags") if isinstance(body, dict) else None
+            found += [t for t in page or [] if isinstance(t, str) and TAG.fullmatch(t)]
             if len(found) > limit:
                 raise PublishError(f"{self.registry.host}/{repo} has more than {limit} tags")
-            link = re.match(r"<([^>]+)>", resp.headers.get("Link", ""))
-            path = link.group(1) if link and link.group(1).startswith("/v2/") else ""
+            path = _next_page(resp.headers.get("Link", ""))
         return found
 
-    def labels(self, repo: str, reference: str) -> dict[str, str]:
-        """The image config's labels of REPO:REFERENCE (an index: its linux/amd64 image); {} when absent."""
+    def labels(self, repo: str, reference: str, platform: str = "amd64") -> dict[str, str]:
+        """The image config's labels of REPO:REFERENCE (an index: its linux/PLATFORM image); {} when absent
+        or of an unexpected shape (the registry's content is not trusted to be well formed)."""
         m = self.manifest(repo, reference)
         if m is None:
             return {}
+        if not isinstance(m.body, dict):
+            return {}
         if m.media_type in INDEX_TYPES or "manifests" in m.body:
-            chosen = [e for e in m.body.get("manifests", []) if (e.get("platform") or {}).get("os") == "linux"
-                      and (e.get("platform") or {}).get("architecture") == "amd64"]
-            if not chosen:
+            entries = m.body.get("manifests")
+            chosen = [e for e in entries if isinstance(e, dict) and isinstance(e.get("digest"), str)
+                      and isinstance(e.get("platform"), dict) and e["platform"].get("os") == "linux"
+                      and e["platform"].get("architecture") == platform] if isinstance(entries, list) else []
+            m = self.manifest(repo, chosen[0]["digest"]) if chosen else None
+            if m is None or not isinstance(m.body, dict):
                 return {}
-            m = self.manifest(repo, chosen[0]["digest"])
-            if m is None:
-                return {}
-        config_digest = (m.body.get("config") or {}).get("digest")
-        if not isinstance(config_digest, str):
+        config_ref = m.body.get("config")
+        if not isinstance(config_ref, dict) or not isinstance(config_ref.get("digest"), str):
             return {}
         try:
-            config = json.loads(self.get_blob(repo, config_digest, max_bytes=4 * 1024 * 1024))
+            config = json.loads(self.get_blob(repo, config_ref["digest"], max_bytes=4 * 1024 * 1024))
         except ValueError as exc:
             raise PublishError(f"the image config of {repo}:{reference} is not JSON") from exc
-        labels = (config.get("config") or {}).get("Labels") or {}
+        inner = config.get("config") if isinstance(config, dict) else None
+        labels = inner.get("Labels") if isinstance(inner, dict) else None
         return {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
 
     def put_manifest(self, repo: str, tag: str, m: Manifest) -> str:

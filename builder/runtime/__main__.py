@@ -367,6 +367,9 @@ def cmd_serve(a) -> int:
 
     options = http_options(a)
     configure_logging(options.json_logs, os.environ.get("MOPT_LOG_LEVEL", "WARNING"))
+    if a.model_id and a.engine_dir and a.engine_dir != os.environ.get("MOPT_ENGINE_DIR"):
+        raise UsageError("give --engine-dir or --model-id, not both (a baked image's MOPT_ENGINE_DIR gives way to "
+                         "--model-id)")
     if a.model_id:  # a mounted model: its engine comes from the cache, compiled there on a miss
         target = _model_source(a)
         params, names = target.params.to_dict(), a.served_model_name or (target.params.model_name,)

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -121,9 +122,25 @@ def model_digest(model_dir: Path, cache_dir: Path | None) -> str:
     return digest
 
 
-def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float) -> str:
+def cpu_capability() -> str:
+    """The CPU instruction set torch's CPU kernels (and Inductor's generated code) are built for, e.g.
+    AVX512: a cpu engine from an AVX-512 host must not load on an AVX2 one (SIGILL)."""
+    try:
+        import torch
+
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - an older torch: the machine name at least
+        import platform
+
+        return platform.machine()
+
+
+def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float,
+              cpu: str = "") -> str:
     keyed = {k: v for k, v in params.to_dict().items() if k not in UNKEYED_PARAMS}
     host = {"torch": facts.torch, "cuda": facts.cuda, "tensorrt": facts.tensorrt}
+    if params.device == "cpu":
+        host["cpu"] = cpu
     if params.device == "cuda":  # the GPU and the driver an engine was compiled and timed on
         host |= {"sm": facts.sm, "gpu_name": facts.gpu_name, "driver": facts.driver}
     src = {"format": CACHE_FORMAT, "schema": SCHEMA_VERSION, "model": digest, "params": keyed,
@@ -132,21 +149,23 @@ def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cos
 
 
 @contextlib.contextmanager
-def _locked(lock_path: Path, key: str):
-    """flock on LOCK_PATH; None where the cache cannot be written (a read-only, pre-warmed volume)."""
+def _locked(lock_path: Path, key: str, exclusive: bool):
+    """flock on LOCK_PATH, shared (checking an entry: many starts at once) or exclusive (replacing or
+    compiling it); yields False where the cache cannot be written (a read-only, pre-warmed volume)."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         log.info("engine cache not writable (%s): using it read-only", exc.strerror)
         yield False
         return
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.warning("engine %s: another process is compiling it; waiting for it", key)
+            log.warning("engine %s: another process holds it (compiling or replacing it); waiting", key)
             _event("engine-cache-wait", key=key)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, mode)
         yield True
     finally:
         os.close(fd)  # releases the lock
@@ -160,10 +179,10 @@ def _remove(path: Path) -> None:
 
 
 def _sweep(engines: Path, held: str) -> None:
-    """Remove what killed compiles left (.tmp-KEY-PID and its files): for HELD, whose lock this process
-    holds, all of it; for another key, only when its lock is free (no compile of it is running)."""
+    """Remove what killed compiles and removals left (.tmp-KEY-*, .refused-KEY-*): for HELD, whose lock this
+    process holds, all of it; for another key, only when its lock is free (no compile of it is running)."""
     stale: dict[str, list[Path]] = {}
-    for path in engines.glob(".tmp-*"):
+    for path in (*engines.glob(".tmp-*"), *engines.glob(".refused-*")):
         stale.setdefault(path.name.split("-")[1], []).append(path)
     for key, paths in stale.items():
         if key == held:
@@ -194,6 +213,13 @@ def _entry_problem(entry: Path, key: str, digest: str, facts) -> tuple[str | Non
         data = check(entry, facts)
     except GuardError as err:
         return err.message, {}
+    listed = set(data["engine_files"])
+    extra = sorted(p.relative_to(entry / fingerprint.ENGINE_SUBDIR).as_posix()
+                   for p in (entry / fingerprint.ENGINE_SUBDIR).rglob("*")
+                   if (p.is_file() or p.is_symlink()) and p.relative_to(entry / fingerprint.ENGINE_SUBDIR).as_posix()
+                   not in listed)
+    if extra:
+        return f"files engine.json does not list: {', '.join(extra[:3])}", {}
     recorded = data.get("cache") or {}
     if recorded.get("key") != key:
         return f"its engine.json records key {recorded.get('key')!r}, not {key}", {}
@@ -202,14 +228,18 @@ def _entry_problem(entry: Path, key: str, digest: str, facts) -> tuple[str | Non
     return None, data
 
 
-def _die_with_parent() -> None:
-    """In the compile child, before exec: SIGKILL when the process that started it dies (a server stopped
-    during its first start must not leave a compile running; prctl PR_SET_PDEATHSIG, Linux)."""
+def _die_with_parent():
+    """For the compile child, before exec: SIGKILL when the process that started it dies (a server stopped
+    during its first start must not leave a compile running; prctl PR_SET_PDEATHSIG, Linux). prctl is
+    looked up here, in the parent: after fork in a threaded process only the call itself is safe."""
     import ctypes
     import signal
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGKILL))
 
 
 def _compile_child(source: ModelSource, tmp: Path, key: str, digest: str) -> None:
@@ -226,7 +256,7 @@ def _compile_child(source: ModelSource, tmp: Path, key: str, digest: str) -> Non
         argv += ["--reference-texts", str(texts)]
     # The child's JSON result goes to stderr with its log: stdout carries this process's events.
     proc = subprocess.Popen(argv, stdout=sys.stderr, stderr=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks taken
+                            preexec_fn=_die_with_parent())  # noqa: PLW1509 - prctl only, no locks taken
     try:
         code = proc.wait()
     except BaseException:
@@ -249,7 +279,17 @@ def _compile_child(source: ModelSource, tmp: Path, key: str, digest: str) -> Non
 
 
 def resolve_cached(source: ModelSource, facts=None) -> CacheResult:
-    """The engine dir for SOURCE: a cache entry that passes the guard, or one compiled now."""
+    """The engine dir for SOURCE: a cache entry that passes the guard, or one compiled now. A file-system
+    error (an unreadable model, a cache that cannot be written) is one UsageError naming the path."""
+    try:
+        return _resolve(source, facts)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise UsageError(f"the model {source.model_dir} or the engine cache {source.cache_dir}: "
+                         f"{exc.strerror or exc}{where}") from None
+
+
+def _resolve(source: ModelSource, facts) -> CacheResult:
     from .hostinfo import host_facts
 
     started = time.monotonic()
@@ -268,28 +308,33 @@ def resolve_cached(source: ModelSource, facts=None) -> CacheResult:
         engines.mkdir(parents=True, exist_ok=True)
     digest = model_digest(model_dir, cache_dir)
     t = lap("model_digest", t)
-    key = cache_key(digest, source.params, runtime_identity(), facts, source.min_cosine)
+    key = cache_key(digest, source.params, runtime_identity(), facts, source.min_cosine, cpu_capability())
     t = lap("runtime_identity", t)
     entry = engines / key
-    with _locked(engines / f"{key}.lock", key) as writable:
+    # Checked under a shared lock: replicas starting together load at once; only a miss waits its turn.
+    with _locked(engines / f"{key}.lock", key, exclusive=False) as writable:
         problem, data = _entry_problem(entry, key, digest, facts)
-        lap("guard", t)
+    lap("guard", t)
+    if problem is None:
+        result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
+        _event("engine-cache", outcome="hit", key=key, seconds=result.seconds, parts=parts)
+        return result
+    if not writable:
+        raise GuardError(f"the engine cache {cache_dir} is read-only and holds no engine for this model, "
+                         f"parameters, runtime and GPU (key {key}: {problem}); mount it writable or warm it "
+                         "with `mopt warm`")
+    with _locked(engines / f"{key}.lock", key, exclusive=True):
+        problem, data = _entry_problem(entry, key, digest, facts)  # another process may have compiled it
         if problem is None:
             result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
             _event("engine-cache", outcome="hit", key=key, seconds=result.seconds, parts=parts)
             return result
         exists = entry.exists()
-        if not writable:
-            raise GuardError(f"the engine cache {cache_dir} is read-only and holds no engine for this model, "
-                             f"parameters, runtime and GPU (key {key}: {problem}); mount it writable or warm it "
-                             "with `mopt warm`")
         if exists:
             log.warning("engine cache entry %s refused (%s): compiling it again", key, problem)
-            aside = engines / f".refused-{key}-{os.getpid()}"
-            entry.rename(aside)
-            shutil.rmtree(aside, ignore_errors=True)
+            entry.rename(engines / f".refused-{key}-{uuid.uuid4().hex}")
         _sweep(engines, key)
-        tmp = engines / f".tmp-{key}-{os.getpid()}"
+        tmp = engines / f".tmp-{key}-{uuid.uuid4().hex}"
         log.warning("compiling the engine of %s (key %s, %s %s on %s): the first start for this model, "
                     "parameters, runtime and GPU; later starts load it from %s", model_dir, key,
                     source.params.backend, source.params.precision,
@@ -304,6 +349,7 @@ def resolve_cached(source: ModelSource, facts=None) -> CacheResult:
         result = CacheResult(entry, data, key, outcome, round(time.monotonic() - started, 2), problem if exists else "")
         _event("engine-cache", outcome=outcome, key=key, seconds=result.seconds, reason=result.reason)
         log.warning("engine %s %s in %.1fs", key, outcome, result.seconds)
+        _sweep(engines, key)  # the refused entry, now that the new one is in place
         return result
 
 
@@ -328,6 +374,10 @@ def model_source(model_id: str, cache_dir: str | None, params: EngineParams, giv
     cache = Path(cache_dir)
     if cache.exists() and not cache.is_dir():
         raise UsageError(f"--cache-dir {cache_dir}: not a directory")
+    inside = cache.resolve().is_relative_to(model.resolve()) or model.resolve().is_relative_to(cache.resolve())
+    if inside:
+        raise UsageError(f"--cache-dir {cache_dir} and --model-id {model_id} overlap: the cache must be outside the "
+                         "model directory (its files would change the model's digest) and hold no model")
     if not -1.0 <= min_cosine <= 1.0:
         raise UsageError(f"--min-cosine must be in -1..1, got {min_cosine}")
     params = apply_conventions(params, model, given, force=force_pooling)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from builder.localregistry import LocalRegistry
 from tests.integration.conftest import STATE, mopt_cli
 from tests.integration.served import ServedContainer, request
 
@@ -24,13 +25,45 @@ IMAGE = "mopt/minilm-embed-runtime:cpu"
 
 
 @pytest.fixture(scope="module")
-def runtime_image(docker_cli, cpu_demo_image) -> str:
-    """Built as users build it; cpu_demo_image first, so the model is in the state dir and the runtime
-    stage is shared with the baked image."""
-    result = mopt_cli("build-runtime", "--select", "minilm-embed:cpu", timeout=2400)
+def registry(docker_cli, tmp_path_factory):
+    with LocalRegistry(tmp_path_factory.mktemp("registry"), user="ci", password="pw-" + uuid.uuid4().hex) as reg:
+        config = tmp_path_factory.mktemp("docker-config")
+        reg.login(config_dir=config)
+        reg.docker_config = config
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def runtime_image(docker_cli, cpu_demo_image, registry) -> str:
+    """Built, smoke-tested and published as users release it (cpu_demo_image first, so the model is in the
+    state dir and the runtime stage is shared with the baked image)."""
+    result = mopt_cli("build-runtime", "--select", "minilm-embed:cpu", "--registry", registry.address,
+                      docker_config=registry.docker_config, timeout=2400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert IMAGE in result.stdout
+    assert f"{IMAGE} " in result.stdout and "smoke passed" in result.stdout
+    assert f"published {registry.address}/mopt/minilm-embed-runtime:cpu-" in result.stdout
     return IMAGE
+
+
+@pytest.mark.timeout(600)
+def test_the_published_model_runtime_is_what_was_built_and_pick_finds_it(docker_cli, runtime_image, registry):
+    from builder.registry.api import RegistryApi
+    from builder.registry.credentials import load_credentials
+    from builder.registry.reference import Registry
+
+    reg = Registry.parse(registry.address)
+    api = RegistryApi(reg, load_credentials(reg, registry.docker_config), config_dir=registry.docker_config)
+    try:
+        tags = api.tags("mopt/minilm-embed-runtime")
+        labels = api.labels("mopt/minilm-embed-runtime", "cpu")
+    finally:
+        api.close()
+    assert "cpu" in tags and len(tags) == 2  # the short tag and the immutable long one
+    local = json.loads(subprocess.run([docker_cli.path, "image", "inspect", "--format", "{{json .Config.Labels}}",
+                                       runtime_image], capture_output=True, text=True, timeout=60).stdout)
+    assert labels == local and labels["io.mopt.model"] == "none"
+    picked = mopt_cli("pick", f"{registry.address}/mopt/minilm-embed-runtime", docker_config=registry.docker_config)
+    assert picked.returncode == 0 and picked.stdout.strip() == f"{registry.address}/mopt/minilm-embed-runtime:cpu"
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +213,8 @@ def test_two_containers_on_one_volume_compile_once_and_both_serve(docker_cli, ru
         outcomes = sorted(cache_event(c)["outcome"] for c in containers)
         assert outcomes == ["compiled", "hit"], outcomes
         assert len({cache_event(c)["key"] for c in containers}) == 1
-        waited = [c for c in containers if '"event": "engine-cache-wait"' in c.logs()]
-        assert len(waited) == 1 and cache_event(waited[0])["outcome"] == "hit"
+        (loader,) = [c for c in containers if cache_event(c)["outcome"] == "hit"]
+        assert '"event": "engine-cache-wait"' in loader.logs(), "the second waited for the first's compile"
         for c in containers:
             check_embeddings(c, reference)
     finally:

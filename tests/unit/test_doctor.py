@@ -135,3 +135,31 @@ def test_candidates_from_labels_skip_long_tags_and_foreign_images():
     old_driver = HostFacts(driver="570.86.10", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))
     with pytest.raises(IncompatibleError, match="cpu would run on the CPU: pass --cpu-fallback"):
         pick_among([cpu, short], "qwen3-embed", old_driver)
+
+
+def test_registry_labels_of_the_wrong_shape_or_an_unknown_cuda_do_not_stop_pick():
+    from builder.doctor import Candidate, pick_among
+
+    def labels(tag, **over):
+        base = {"org.opencontainers.image.ref.name": tag, "io.mopt.flavour": "aot", "io.mopt.device": "cuda",
+                "io.mopt.cuda": "13.0", "io.mopt.sm": "90", "io.mopt.driver.min": "580.65.06"}
+        return {**base, **{f"io.mopt.{k.replace('_', '.')}": v for k, v in over.items()}}
+
+    assert Candidate.of_labels("x", labels("x", sm="latest")) is None
+    assert Candidate.of_labels("x", labels("x", cuda="thirteen")) is None
+    assert Candidate.of_labels("x", labels("x", driver_min="new")) is None
+    good = Candidate.of_labels("cu130-sm90", labels("cu130-sm90"))
+    newer = Candidate.of_labels("cu139-sm90", labels("cu139-sm90", cuda="13.9"))  # a later release's tag
+    h200 = HostFacts(driver="580.82.07", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))
+    tag, why = pick_among([good, newer], "qwen3-embed", h200)
+    assert tag == "cu130-sm90" and why[0].startswith("cu139-sm90: CUDA 13.9")
+
+
+def test_the_tag_list_pages_are_followed_and_bounded():
+    from builder.registry.api import TAG, _next_page
+
+    assert _next_page('</v2/mopt/x/tags/list?n=2&last=b>; rel="next"') == "/v2/mopt/x/tags/list?n=2&last=b"
+    assert _next_page('<https://r.example:5000/v2/mopt/x/tags/list?last=b>; rel="next"') == \
+        "/v2/mopt/x/tags/list?last=b"
+    assert _next_page("") == "" and _next_page("<https://elsewhere/login>") == ""
+    assert TAG.fullmatch("cu130-sm90") and not TAG.fullmatch("-x") and not TAG.fullmatch("a/b")

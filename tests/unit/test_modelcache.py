@@ -107,6 +107,9 @@ def test_an_entry_recording_another_key_or_model_is_refused(tiny, filled, tmp_pa
     assert "records key" in modelcache._entry_problem(entry, key, digest, facts)[0]
     fingerprint.write(entry, {**data, "model_digest": "1" * 64})
     assert "another model digest" in modelcache._entry_problem(entry, key, digest, facts)[0]
+    fingerprint.write(entry, data)
+    (entry / "engine" / "planted.so").write_bytes(b"\x7fELF")  # a file the engine's record does not list
+    assert "does not list: planted.so" in modelcache._entry_problem(entry, key, digest, facts)[0]
     (entry / "engine.json").unlink()
     assert "incomplete" in modelcache._entry_problem(entry, key, digest, facts)[0]
 
@@ -156,6 +159,10 @@ def test_the_key_holds_every_input_the_engine_depends_on(monkeypatch):
         assert modelcache.cache_key("a" * 64, cuda, "r", replace(gpu, **change), 0.99) != on_gpu, change
     # a cpu engine does not depend on the GPU or its driver
     assert modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, driver="580.1", sm="90"), 0.99) == base
+    # ... but on the CPU's instruction set
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX512") != modelcache.cache_key(
+        "a" * 64, PARAMS, "r", facts, 0.99, "AVX2")
+    assert modelcache.cpu_capability()
     first = modelcache.runtime_identity()
     monkeypatch.setenv(modelcache.RUNTIME_ID_ENV, "sha256:other-image")
     assert modelcache.runtime_identity() != first
@@ -203,11 +210,13 @@ def test_a_failed_compile_leaves_no_entry_and_exits_with_its_code(tiny, tmp_path
     ("hf://Qwen/Qwen3-Embedding-0.6B", "c", "only a mounted model directory"),
     ("/no/such/dir", "c", "not a directory"),
     ("MODEL", None, "needs --cache-dir"),
+    ("MODEL", "MODEL/cache", "overlap"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(tiny, tmp_path, model_id, cache, message):
     model_id = str(tiny) if model_id == "MODEL" else model_id
+    cache = cache and (cache.replace("MODEL", str(tiny)) if cache.startswith("MODEL") else str(tmp_path / cache))
     with pytest.raises(UsageError, match=message):
-        modelcache.model_source(model_id, cache and str(tmp_path / cache), PARAMS, set(), min_cosine=0.99)
+        modelcache.model_source(model_id, cache, PARAMS, set(), min_cosine=0.99)
 
 
 def test_a_model_without_a_fast_tokenizer_is_refused(tiny, tmp_path):
@@ -296,3 +305,19 @@ def test_a_server_stopped_during_its_first_compile_leaves_no_compile_running(tin
     assert not compiling(tiny)
     assert modelcache.resolve_cached(source(tiny, cache)).outcome == "compiled"
     assert not list((cache / "engines").glob(".tmp-*"))
+
+
+def test_an_unreadable_model_is_one_usage_error(tiny, tmp_path, monkeypatch):
+    def unreadable(_):
+        raise PermissionError(13, "Permission denied", str(tiny / "model.safetensors"))
+
+    monkeypatch.setattr(fingerprint, "model_digest", unreadable)
+    with pytest.raises(UsageError, match="Permission denied .*model.safetensors"):
+        modelcache.resolve_cached(source(tiny, tmp_path / "fresh"))
+
+
+def test_engine_dir_and_model_id_both_given_is_a_usage_error(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MOPT_ENGINE_DIR", raising=False)
+    assert main(["serve", "--engine-dir", str(tmp_path), "--model-id", str(tiny), "--cache-dir",
+                 str(tmp_path / "c")]) == 2
+    assert "not both" in capsys.readouterr().err
