@@ -140,34 +140,6 @@ def test_a_changed_model_gets_its_own_entry_and_its_digest_is_taken_again(tiny, 
                                                                                            facts, 0.99)
 
 
-def test_the_key_holds_every_input_the_engine_depends_on(monkeypatch):
-    facts = HostFacts(torch="2.13.0", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None)
-    gpu = HostFacts(torch="2.13.0", cuda="13.0", tensorrt=None, sm="90", gpu_name="NVIDIA H200", driver="580.1")
-    base = modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99)
-    assert base == modelcache.cache_key("a" * 64, replace(PARAMS, model_dir="/x", model_name="y"), "r", facts, 0.99)
-    others = {
-        "model": modelcache.cache_key("b" * 64, PARAMS, "r", facts, 0.99),
-        "params": modelcache.cache_key("a" * 64, replace(PARAMS, max_seq_len=64), "r", facts, 0.99),
-        "runtime": modelcache.cache_key("a" * 64, PARAMS, "s", facts, 0.99),
-        "torch": modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, torch="2.11.0"), 0.99),
-        "gate": modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.995),
-    }
-    assert base not in others.values() and len(set(others.values())) == len(others)
-    cuda = replace(PARAMS, device="cuda", precision="bf16")
-    on_gpu = modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99)
-    for change in ({"sm": "100"}, {"gpu_name": "NVIDIA H100"}, {"driver": "590.2"}, {"cuda": "12.8"}):
-        assert modelcache.cache_key("a" * 64, cuda, "r", replace(gpu, **change), 0.99) != on_gpu, change
-    # a cpu engine does not depend on the GPU or its driver
-    assert modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, driver="580.1", sm="90"), 0.99) == base
-    # ... but on the CPU's instruction set
-    assert modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX512") != modelcache.cache_key(
-        "a" * 64, PARAMS, "r", facts, 0.99, "AVX2")
-    assert modelcache.cpu_capability()
-    first = modelcache.runtime_identity()
-    monkeypatch.setenv(modelcache.RUNTIME_ID_ENV, "sha256:other-image")
-    assert modelcache.runtime_identity() != first
-
-
 def test_a_read_only_cache_serves_what_it_holds_and_refuses_the_rest(tiny, filled, tmp_path, monkeypatch):
     cache, first = filled
     real_open = os.open
@@ -246,25 +218,6 @@ def test_engine_params_from_the_image_and_flags(tiny, tmp_path, monkeypatch, cap
     args = build_parser().parse_args(["warm", "--model-id", str(tiny), "--cache-dir", str(tmp_path)])
     with pytest.raises(UsageError, match="max_seq_len must be int"):
         _model_source(args)
-
-
-def test_what_a_killed_compile_left_is_swept_unless_its_compile_still_runs(tmp_path):
-    import fcntl
-
-    engines = tmp_path / "engines"
-    engines.mkdir()
-    for key in ("a" * 32, "b" * 32, "c" * 32):
-        (engines / f".tmp-{key}-41").mkdir()
-        (engines / f".tmp-{key}-41" / "part").write_text("x")
-        (engines / f".tmp-{key}-41.params.json").write_text("{}")
-    running = os.open(engines / f"{'c' * 32}.lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(running, fcntl.LOCK_EX)  # another process compiles c now
-    try:
-        modelcache._sweep(engines, "a" * 32)
-    finally:
-        os.close(running)
-    left = sorted(p.name for p in engines.iterdir() if not p.name.endswith(".lock"))
-    assert left == [f".tmp-{'c' * 32}-41", f".tmp-{'c' * 32}-41.params.json"]
 
 
 def compiling(model: Path) -> list[int]:

@@ -1,0 +1,144 @@
+"""The engine cache's pure parts (builder/runtime/modelcache.py), fast and without a compile: the key
+holds every input an engine depends on and nothing else, --model-id/--cache-dir are checked, the model
+digest is remembered per file listing and taken again when a file changes, and what killed compiles left
+is swept. The compile, guard and lock paths: test_modelcache.py and tests/integration/test_model_runtime.py."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from builder.runtime import fingerprint, modelcache
+from builder.runtime.errors import UsageError
+from builder.runtime.hostinfo import HostFacts
+from builder.runtime.params import EngineParams
+
+PARAMS = EngineParams(max_batch=2, max_seq_len=32, pooling="last")
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    """A model directory as the cache sees it (files and their bytes; nothing is loaded)."""
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (m / "tokenizer.json").write_text("{}")
+    (m / "model.safetensors").write_bytes(b"\0" * 64)
+    return m
+
+
+def test_the_key_holds_every_input_the_engine_depends_on(monkeypatch):
+    facts = HostFacts(torch="2.13.0", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None)
+    gpu = HostFacts(torch="2.13.0", cuda="13.0", tensorrt=None, sm="90", gpu_name="NVIDIA H200", driver="580.1")
+    base = modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99)
+    assert base == modelcache.cache_key("a" * 64, replace(PARAMS, model_dir="/x", model_name="y"), "r", facts, 0.99)
+    others = {
+        "model": modelcache.cache_key("b" * 64, PARAMS, "r", facts, 0.99),
+        "params": modelcache.cache_key("a" * 64, replace(PARAMS, max_seq_len=64), "r", facts, 0.99),
+        "runtime": modelcache.cache_key("a" * 64, PARAMS, "s", facts, 0.99),
+        "torch": modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, torch="2.11.0"), 0.99),
+        "gate": modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.995),
+    }
+    assert base not in others.values() and len(set(others.values())) == len(others)
+    cuda = replace(PARAMS, device="cuda", precision="bf16")
+    on_gpu = modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99)
+    for change in ({"sm": "100"}, {"gpu_name": "NVIDIA H100"}, {"driver": "590.2"}, {"cuda": "12.8"}):
+        assert modelcache.cache_key("a" * 64, cuda, "r", replace(gpu, **change), 0.99) != on_gpu, change
+    # a cpu engine does not depend on the GPU or its driver
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, driver="580.1", sm="90"), 0.99) == base
+    # ... but on the CPU's instruction set
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX512") != modelcache.cache_key(
+        "a" * 64, PARAMS, "r", facts, 0.99, "AVX2")
+    assert modelcache.cpu_capability()
+    first = modelcache.runtime_identity()
+    monkeypatch.setenv(modelcache.RUNTIME_ID_ENV, "sha256:other-image")
+    assert modelcache.runtime_identity() != first
+
+
+def test_what_a_killed_compile_left_is_swept_unless_its_compile_still_runs(tmp_path):
+    import fcntl
+
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    for key in ("a" * 32, "b" * 32, "c" * 32):
+        (engines / f".tmp-{key}-41").mkdir()
+        (engines / f".tmp-{key}-41" / "part").write_text("x")
+        (engines / f".tmp-{key}-41.params.json").write_text("{}")
+    running = os.open(engines / f"{'c' * 32}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(running, fcntl.LOCK_EX)  # another process compiles c now
+    try:
+        modelcache._sweep(engines, "a" * 32)
+    finally:
+        os.close(running)
+    left = sorted(p.name for p in engines.iterdir() if not p.name.endswith(".lock"))
+    assert left == [f".tmp-{'c' * 32}-41", f".tmp-{'c' * 32}-41.params.json"]
+
+
+def test_the_digest_is_remembered_per_listing_and_taken_again_on_a_change(model, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    hashed = []
+    real = fingerprint.model_digest
+    monkeypatch.setattr(fingerprint, "model_digest", lambda d: hashed.append(d) or real(d))
+    first = modelcache.model_digest(model, cache)
+    assert first == real(model) and len(hashed) == 1
+    assert modelcache.model_digest(model, cache) == first and len(hashed) == 1, "the memo answers"
+    assert modelcache.model_digest(model, None) == first and len(hashed) == 2, "no cache: hashed"
+    (model / "model.safetensors").write_bytes(b"\1" * 64)  # same size, new content (and ctime)
+    changed = modelcache.model_digest(model, cache)
+    assert changed != first and changed == real(model) and len(hashed) == 3
+    (model / "extra.txt").write_text("x")
+    assert modelcache.model_digest(model, cache) == real(model) != changed
+    (model / ".cache").mkdir()
+    (model / ".cache" / "hub.lock").write_text("bookkeeping")  # huggingface_hub's, not the model's
+    before = len(hashed)
+    modelcache.model_digest(model, cache)
+    assert len(hashed) == before, "the hub's bookkeeping is not part of the listing"
+    memo = next((cache / "digests").glob("*.json"))
+    memo.write_text(json.dumps({"model_digest": "short"}))  # a broken memo is hashed again, not trusted
+    assert modelcache.model_digest(model, cache) == real(model)
+
+
+def test_the_listing_sees_names_sizes_and_times(model):
+    first = modelcache._stat_listing(model)
+    assert modelcache._stat_listing(model) == first
+    os.utime(model / "config.json", ns=(1, 1))
+    assert modelcache._stat_listing(model) != first
+    second = modelcache._stat_listing(model)
+    (model / "config.json").rename(model / "config2.json")
+    assert modelcache._stat_listing(model) != second
+
+
+def test_model_source_resolves_the_parameters_and_paths(model, tmp_path):
+    got = modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, {"pooling"}, min_cosine=0.995)
+    assert (got.model_dir, got.cache_dir) == (str(model.resolve()), str((tmp_path / "c").resolve()))
+    assert (got.params.model_dir, got.params.model_name, got.min_cosine) == (str(model.resolve()), "model", 0.995)
+    named = modelcache.model_source(str(model), str(tmp_path / "c"), replace(PARAMS, model_name="bge"), set(),
+                                    min_cosine=0.99)
+    assert named.params.model_name == "bge"
+    with pytest.raises(UsageError, match="--min-cosine must be in -1..1"):
+        modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, set(), min_cosine=1.5)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="not a directory"):
+        modelcache.model_source(str(model), str(tmp_path / "file"), PARAMS, set(), min_cosine=0.99)
+    for overlap in (model / "cache", tmp_path):
+        with pytest.raises(UsageError, match="overlap"):
+            modelcache.model_source(str(model), str(overlap), PARAMS, set(), min_cosine=0.99)
+    (model / "tokenizer.json").unlink()
+    with pytest.raises(UsageError, match="no tokenizer.json"):
+        modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, set(), min_cosine=0.99)
+
+
+@pytest.mark.parametrize(("model_id", "message"), [("hf://Qwen/Qwen3-Embedding-0.6B", "only a mounted model"),
+                                                   ("modelscope://x/y", "only a mounted model"),
+                                                   ("/no/such/dir", "not a directory")])
+def test_model_ids_that_are_not_a_mounted_directory(tmp_path, model_id, message):
+    with pytest.raises(UsageError, match=message):
+        modelcache.model_source(model_id, str(tmp_path), PARAMS, set(), min_cosine=0.99)
+
+
+def test_a_cache_dir_is_required(model):
+    with pytest.raises(UsageError, match="needs --cache-dir"):
+        modelcache.model_source(str(model), None, PARAMS, set(), min_cosine=0.99)
