@@ -117,7 +117,7 @@ def model_digest(model_dir: Path, cache_dir: Path | None) -> str:
     with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"model_digest": digest, "model_dir": str(model_dir)}) + "\n")
+        tmp.write_text(json.dumps({"model_digest": digest}) + "\n")
         os.replace(tmp, memo)
     return digest
 
@@ -135,8 +135,7 @@ def cpu_capability() -> str:
         return platform.machine()
 
 
-def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float,
-              cpu: str = "") -> str:
+def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float, cpu: str) -> str:
     keyed = {k: v for k, v in params.to_dict().items() if k not in UNKEYED_PARAMS}
     host = {"torch": facts.torch, "cuda": facts.cuda, "tensorrt": facts.tensorrt}
     if params.device == "cpu":
@@ -188,19 +187,23 @@ def _sweep(engines: Path, held: str) -> None:
         if key == held:
             for path in paths:
                 _remove(path)
-            continue
-        try:
-            fd = os.open(engines / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for path in paths:
-                _remove(path)
-        except BlockingIOError:
-            pass  # its compile is running
-        finally:
-            os.close(fd)
+        else:
+            _remove_unless_locked(engines / f"{key}.lock", paths)
+
+
+def _remove_unless_locked(lock_path: Path, paths: list[Path]) -> None:
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for path in paths:  # under its lock: no compile of that key starts meanwhile
+            _remove(path)
+    except BlockingIOError:
+        pass  # its compile is running
+    finally:
+        os.close(fd)
 
 
 def _entry_problem(entry: Path, key: str, digest: str, facts) -> tuple[str | None, dict]:

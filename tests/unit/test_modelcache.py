@@ -136,8 +136,8 @@ def test_a_changed_model_gets_its_own_entry_and_its_digest_is_taken_again(tiny, 
     assert changed != first and len(hashed) == 2
     facts = modelcache_facts()
     rid = modelcache.runtime_identity()
-    assert modelcache.cache_key(changed, PARAMS, rid, facts, 0.99) != modelcache.cache_key(first, PARAMS, rid,
-                                                                                           facts, 0.99)
+    key = modelcache.cache_key
+    assert key(changed, PARAMS, rid, facts, 0.99, "AVX2") != key(first, PARAMS, rid, facts, 0.99, "AVX2")
 
 
 def test_a_read_only_cache_serves_what_it_holds_and_refuses_the_rest(tiny, filled, tmp_path, monkeypatch):

@@ -33,22 +33,25 @@ def model(tmp_path) -> Path:
 def test_the_key_holds_every_input_the_engine_depends_on(monkeypatch):
     facts = HostFacts(torch="2.13.0", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None)
     gpu = HostFacts(torch="2.13.0", cuda="13.0", tensorrt=None, sm="90", gpu_name="NVIDIA H200", driver="580.1")
-    base = modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99)
-    assert base == modelcache.cache_key("a" * 64, replace(PARAMS, model_dir="/x", model_name="y"), "r", facts, 0.99)
+    base = modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX2")
+    moved = replace(PARAMS, model_dir="/x", model_name="y")
+    assert base == modelcache.cache_key("a" * 64, moved, "r", facts, 0.99, "AVX2")
     others = {
-        "model": modelcache.cache_key("b" * 64, PARAMS, "r", facts, 0.99),
-        "params": modelcache.cache_key("a" * 64, replace(PARAMS, max_seq_len=64), "r", facts, 0.99),
-        "runtime": modelcache.cache_key("a" * 64, PARAMS, "s", facts, 0.99),
-        "torch": modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, torch="2.11.0"), 0.99),
-        "gate": modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.995),
+        "model": modelcache.cache_key("b" * 64, PARAMS, "r", facts, 0.99, "AVX2"),
+        "params": modelcache.cache_key("a" * 64, replace(PARAMS, max_seq_len=64), "r", facts, 0.99, "AVX2"),
+        "runtime": modelcache.cache_key("a" * 64, PARAMS, "s", facts, 0.99, "AVX2"),
+        "torch": modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, torch="2.11.0"), 0.99, "AVX2"),
+        "gate": modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.995, "AVX2"),
     }
     assert base not in others.values() and len(set(others.values())) == len(others)
     cuda = replace(PARAMS, device="cuda", precision="bf16")
-    on_gpu = modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99)
+    on_gpu = modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99, "AVX2")
     for change in ({"sm": "100"}, {"gpu_name": "NVIDIA H100"}, {"driver": "590.2"}, {"cuda": "12.8"}):
-        assert modelcache.cache_key("a" * 64, cuda, "r", replace(gpu, **change), 0.99) != on_gpu, change
+        assert modelcache.cache_key("a" * 64, cuda, "r", replace(gpu, **change), 0.99, "AVX2") != on_gpu, change
+    assert modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99, "AVX512") == on_gpu  # a GPU engine: not the CPU's
     # a cpu engine does not depend on the GPU or its driver
-    assert modelcache.cache_key("a" * 64, PARAMS, "r", replace(facts, driver="580.1", sm="90"), 0.99) == base
+    elsewhere = replace(facts, driver="580.1", sm="90")
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", elsewhere, 0.99, "AVX2") == base
     # ... but on the CPU's instruction set
     assert modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX512") != modelcache.cache_key(
         "a" * 64, PARAMS, "r", facts, 0.99, "AVX2")
@@ -67,6 +70,7 @@ def test_what_a_killed_compile_left_is_swept_unless_its_compile_still_runs(tmp_p
         (engines / f".tmp-{key}-41").mkdir()
         (engines / f".tmp-{key}-41" / "part").write_text("x")
         (engines / f".tmp-{key}-41.params.json").write_text("{}")
+        (engines / f".refused-{key}-9f").mkdir()
     running = os.open(engines / f"{'c' * 32}.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(running, fcntl.LOCK_EX)  # another process compiles c now
     try:
@@ -74,7 +78,9 @@ def test_what_a_killed_compile_left_is_swept_unless_its_compile_still_runs(tmp_p
     finally:
         os.close(running)
     left = sorted(p.name for p in engines.iterdir() if not p.name.endswith(".lock"))
-    assert left == [f".tmp-{'c' * 32}-41", f".tmp-{'c' * 32}-41.params.json"]
+    assert left == [f".refused-{'c' * 32}-9f", f".tmp-{'c' * 32}-41", f".tmp-{'c' * 32}-41.params.json"]
+    modelcache._sweep(engines, "b" * 32)  # c's lock is free now
+    assert [p.name for p in engines.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_the_digest_is_remembered_per_listing_and_taken_again_on_a_change(model, tmp_path, monkeypatch):
@@ -142,3 +148,80 @@ def test_model_ids_that_are_not_a_mounted_directory(tmp_path, model_id, message)
 def test_a_cache_dir_is_required(model):
     with pytest.raises(UsageError, match="needs --cache-dir"):
         modelcache.model_source(str(model), None, PARAMS, set(), min_cosine=0.99)
+
+
+def test_the_key_is_stable_for_the_same_inputs():
+    """Keys are what every volume's entries are found by: a change of their recipe (a renamed field, another
+    hash) orphans every warmed cache, so it must be deliberate (CACHE_FORMAT, and this test updated)."""
+    cpu = HostFacts(torch="2.13.0", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None)
+    gpu = HostFacts(torch="2.13.0", cuda="13.0", tensorrt=None, sm="90", gpu_name="NVIDIA H200", driver="580.1")
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", cpu, 0.99, "AVX2") == "3e0e3403bcb2df914a8ef1ed04fd580f"
+    cuda = replace(PARAMS, device="cuda", precision="bf16")
+    assert modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99, "AVX2") == "8af73035954c82f427ac4b510dd2f3b1"
+
+
+def test_a_memo_without_a_digest_is_hashed_again(model, tmp_path):
+    cache = tmp_path / "cache"
+    first = modelcache.model_digest(model, cache)
+    memo = next((cache / "digests").glob("*.json"))
+    for broken in ({"other": 1}, ["x"], {"model_digest": 7}, {"model_digest": "short"}, "not json"):
+        memo.write_text(broken if isinstance(broken, str) else json.dumps(broken))
+        assert modelcache.model_digest(model, cache) == first
+        assert json.loads(memo.read_text()) == {"model_digest": first}, "written again"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")  # a cache that cannot be written: hashed, not an error
+    assert modelcache.model_digest(model, a_file) == first
+
+
+def test_the_models_own_pooling_decides_unless_given(model, tmp_path):
+    (model / "modules.json").write_text(json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling",
+                                                     "type": "sentence_transformers.models.Pooling"}]))
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    taken = modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, set(), min_cosine=0.99)
+    assert taken.params.pooling == "cls"
+    with pytest.raises(UsageError, match="pooling last contradicts"):
+        modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, {"pooling"}, min_cosine=0.99)
+    forced = modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, {"pooling"}, min_cosine=0.99,
+                                     force_pooling=True)
+    assert forced.params.pooling == "last"
+
+
+
+def test_usage_errors_word_for_word(model, tmp_path):
+    def message(model_id, cache, cosine=0.99):
+        with pytest.raises(UsageError) as err:
+            modelcache.model_source(model_id, cache, PARAMS, set(), min_cosine=cosine)
+        return err.value.message
+
+    assert message("hf://a/b", "c") == ("--model-id hf://a/b: only a mounted model directory is supported by this "
+                                        "runtime; download the model on the host (or `mopt warm` there) and mount it "
+                                        "read-only")
+    assert message(str(model), None) == ("--model-id needs --cache-dir (MOPT_CACHE_DIR): where the compiled engine is "
+                                         "kept")
+    assert message(str(model), str(model / "c")) == (
+        f"--cache-dir {model / 'c'} and --model-id {model} overlap: the cache must be outside the model directory "
+        "(its files would change the model's digest) and hold no model")
+    for cosine in (-1.0001, 1.0001):
+        assert message(str(model), str(tmp_path / "c"), cosine) == f"--min-cosine must be in -1..1, got {cosine}"
+    for cosine in (-1.0, 1.0):  # the bounds themselves are allowed
+        assert modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, set(), min_cosine=cosine)
+    (model / "tokenizer.json").unlink()
+    assert message(str(model), str(tmp_path / "c")) == (
+        f"--model-id {model}: no tokenizer.json there (expected a Hugging Face model dir with a fast tokenizer)")
+
+
+def test_reference_texts_are_carried_as_a_tuple(model, tmp_path):
+    given = modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, set(), min_cosine=0.99,
+                                    reference_texts=["one", "two"])
+    assert given.reference_texts == ("one", "two")
+    assert modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, set(), min_cosine=0.99,
+                                   reference_texts=[]).reference_texts is None
+
+
+def test_remove_takes_files_dirs_and_what_is_already_gone(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "f").write_text("x")
+    for name in ("d", "f", "gone"):
+        modelcache._remove(tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
