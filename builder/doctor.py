@@ -349,7 +349,7 @@ def pick_among(candidates: list[Candidate], image: str, facts: HostFacts, gpu_br
     if targets:
         sm = targets[0].sm
         same_arch = [c for c in candidates if c.device == "cuda" and c.sm == sm]
-        built = sorted({c.sm for c in candidates if c.device == "cuda" and c.sm}, key=sm_major_minor)
+        built = sorted({c.sm for c in candidates if c.sm}, key=sm_major_minor)  # a cpu tag has no sm
         if not built:
             why_not.append(f"{image} has no GPU tags")
         elif not same_arch:
@@ -375,7 +375,7 @@ def pick_among(candidates: list[Candidate], image: str, facts: HostFacts, gpu_br
             # Newest CUDA that the driver runs (natively or through forward compatibility), default
             # flavour (first listed) on ties.
             order = {f: i for i, f in enumerate(dict.fromkeys(c.flavour for c in candidates))}
-            best = max(fits, key=lambda c: (parse_version(c.cuda or "0"), -order[c.flavour]))
+            best = max(fits, key=lambda c: (parse_version(c.cuda), -order[c.flavour]))  # a GPU tag has a CUDA
             if best.tag in forward:
                 why_not.append(f"{best.tag} runs through forward compatibility: {forward[best.tag].detail}")
             return best.tag, why_not

@@ -44,6 +44,16 @@ MAX_TAG_PAGES = 100
 TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # the OCI distribution spec's tag grammar
 
 
+def _json_body(resp: requests.Response, what: str) -> Any:
+    """The JSON of a 200 answer; PublishError naming WHAT otherwise."""
+    if resp.status_code != 200:
+        raise PublishError(f"{what} answered HTTP {resp.status_code}")
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise PublishError(f"{what} did not return JSON") from exc
+
+
 def _next_page(link: str) -> str:
     """The path of a tags/list Link header's next page (relative, or absolute on any host: the path only)."""
     found = re.match(r"\s*<([^>]+)>", link)
@@ -212,13 +222,8 @@ class RegistryApi:
             if not c:
                 raise PublishError(self._no_creds_message())
             raise PublishError(self._rejected_message(resp.status_code) + f" (token service {realm})")
-        if resp.status_code != 200:
-            raise PublishError(f"token service {realm} answered HTTP {resp.status_code}")
-        try:
-            body = resp.json()
-        except ValueError as exc:
-            raise PublishError(f"token service {realm} did not return JSON") from exc
-        token = body.get("token") or body.get("access_token")
+        body = _json_body(resp, f"token service {realm}")
+        token = (body.get("token") or body.get("access_token")) if isinstance(body, dict) else None
         if not token:
             raise PublishError(f"token service {realm} returned no token")
         return token
@@ -284,12 +289,7 @@ class RegistryApi:
             resp = self.request("GET", path, scope=f"repository:{repo}:pull")
             if resp.status_code == 404:
                 raise PublishError(f"{self.registry.host}/{repo}: no such repository")
-            if resp.status_code != 200:
-                raise PublishError(f"GET tags of {repo} from {self.registry.host} answered HTTP {resp.status_code}")
-            try:
-                body = resp.json()
-            except ValueError as exc:
-                raise PublishError(f"the tag list of {repo} from {self.registry.host} is not JSON") from exc
+            body = _json_body(resp, f"the tag list of {repo} on {self.registry.host}")
             page = body.get("tags") if isinstance(body, dict) else None
             found += [t for t in page or [] if isinstance(t, str) and TAG.fullmatch(t)]
             if len(found) > limit:

@@ -153,6 +153,10 @@ def test_registry_labels_of_the_wrong_shape_or_an_unknown_cuda_do_not_stop_pick(
     h200 = HostFacts(driver="580.82.07", gpus=(Gpu(0, "NVIDIA H200", "9.0"),))
     tag, why = pick_among([good, newer], "qwen3-embed", h200)
     assert tag == "cu130-sm90" and why[0].startswith("cu139-sm90: CUDA 13.9")
+    assert pick_among([newer, good], "qwen3-embed", h200)[0] == "cu130-sm90"  # the next tags are still weighed
+    plain = Candidate.of_labels("cu130-sm90", {k: v for k, v in labels("cu130-sm90", driver_min="").items()
+                                               if k != "io.mopt.flavour"})
+    assert (plain.flavour, plain.min_driver) == ("", None)  # an empty label is no label
 
 
 def test_the_tag_list_pages_are_followed_and_bounded():
@@ -162,4 +166,5 @@ def test_the_tag_list_pages_are_followed_and_bounded():
     assert _next_page('<https://r.example:5000/v2/mopt/x/tags/list?last=b>; rel="next"') == \
         "/v2/mopt/x/tags/list?last=b"
     assert _next_page("") == "" and _next_page("<https://elsewhere/login>") == ""
+    assert _next_page("<https://r:5000/v2/x/tags/list?last=a://b>") == "/v2/x/tags/list?last=a://b"
     assert TAG.fullmatch("cu130-sm90") and not TAG.fullmatch("-x") and not TAG.fullmatch("a/b")
