@@ -87,7 +87,8 @@ def test_a_tampered_entry_is_refused_and_rebuilt(tiny, filled, tmp_path):
     shutil.copytree(filled[0], cache)
     entry = cache / "engines" / filled[1].key
     weights = next(p for p in (entry / "engine").rglob("*") if p.is_file() and p.suffix != ".json")
-    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # a flipped byte (a zero written over a zero is none)
     rebuilt = modelcache.resolve_cached(source(tiny, cache))
     assert rebuilt.outcome == "rebuilt" and "integrity" in rebuilt.reason
     assert modelcache.resolve_cached(source(tiny, cache)).outcome == "hit"
