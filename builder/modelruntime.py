@@ -20,11 +20,10 @@ from .registry.phases import PublishItem, PublishResult, publish
 from .registry.reference import Registry
 from .render import defaults, model_runtime_repository
 from .smoke import SmokeResult, SmokeSpec, smoke_test
+from .warm import CONTAINER_CACHE, CONTAINER_MODEL
 
 # A first start compiles: on top of the recipe's start timeout (which is for loading a baked engine).
 COMPILE_ALLOWANCE_S = 1800
-CONTAINER_MODEL = "/model"
-CONTAINER_CACHE = "/cache"
 
 
 @dataclass(frozen=True)

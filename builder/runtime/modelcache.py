@@ -318,10 +318,14 @@ def _resolve(source: ModelSource, facts) -> CacheResult:
     with _locked(engines / f"{key}.lock", key, exclusive=False) as writable:
         problem, data = _entry_problem(entry, key, digest, facts)
     lap("guard", t)
-    if problem is None:
+
+    def hit(data: dict) -> CacheResult:
         result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
         _event("engine-cache", outcome="hit", key=key, seconds=result.seconds, parts=parts)
         return result
+
+    if problem is None:
+        return hit(data)
     if not writable:
         raise GuardError(f"the engine cache {cache_dir} is read-only and holds no engine for this model, "
                          f"parameters, runtime and GPU (key {key}: {problem}); mount it writable or warm it "
@@ -329,9 +333,7 @@ def _resolve(source: ModelSource, facts) -> CacheResult:
     with _locked(engines / f"{key}.lock", key, exclusive=True):
         problem, data = _entry_problem(entry, key, digest, facts)  # another process may have compiled it
         if problem is None:
-            result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
-            _event("engine-cache", outcome="hit", key=key, seconds=result.seconds, parts=parts)
-            return result
+            return hit(data)
         exists = entry.exists()
         if exists:
             log.warning("engine cache entry %s refused (%s): compiling it again", key, problem)
