@@ -58,17 +58,25 @@ def write(out_dir: str | Path, data: dict) -> Path:
 
 
 def read(engine_dir: str | Path) -> dict:
+    return read_raw(engine_dir)[1]
+
+
+def read_raw(engine_dir: str | Path) -> tuple[bytes, dict]:
+    """engine.json's bytes (what an integrity check done ahead is tied to) and its checked content."""
     path = Path(engine_dir) / ENGINE_JSON
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
+        data = json.loads(raw)
     except FileNotFoundError:
         raise GuardError(f"{path} not found: not an engine directory") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise GuardError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise GuardError(f"{path} is not a JSON object")
     missing = [k for k in REQUIRED if k not in data]
     if missing:
         raise GuardError(f"{path} lacks fields {missing}")
     if data["schema_version"] != SCHEMA_VERSION:
         raise GuardError(f"{path} has schema_version {data['schema_version']}, this runtime reads "
                          f"{SCHEMA_VERSION}")
-    return data
+    return raw, data

@@ -8,6 +8,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import fingerprint
@@ -45,6 +46,50 @@ def _integrity(out_dir: Path, data: dict) -> None:
                          "rebuild or re-pull the image")
 
 
+def engine_file_stats(out_dir: Path, files) -> tuple:
+    """Each listed engine file's inode, size, mtime and ctime (None if absent): a file rewritten, replaced
+    or touched differs here (no user call sets a ctime back)."""
+    engine_dir = out_dir / fingerprint.ENGINE_SUBDIR
+    rows = []
+    for rel in sorted(files):
+        try:
+            st = (engine_dir / rel).stat()
+            rows.append((rel, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        except OSError:
+            rows.append((rel, None))
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The integrity part of check() done ahead, in this process (the model cache hashes the entry it will
+    probably serve while torch imports). check() uses it only for the very engine.json it read and files
+    whose stats are unchanged since they were hashed; anything else is hashed again."""
+
+    engine_json: bytes
+    stats: tuple
+    problem: str | None  # the integrity failure found, or None
+
+
+def integrity_ahead(out_dir: str | Path) -> Ahead | None:
+    """Hash OUT_DIR's engine files now (GIL released: this overlaps imports); None where there is nothing
+    to hold on to (no readable engine.json, or files that changed while they were hashed)."""
+    out_dir = Path(out_dir)
+    try:
+        raw, data = fingerprint.read_raw(out_dir)
+        stats = engine_file_stats(out_dir, data["engine_files"])
+        try:
+            _integrity(out_dir, data)
+            problem = None
+        except GuardError as err:
+            problem = err.message
+    except (GuardError, OSError, TypeError, AttributeError):
+        return None
+    if engine_file_stats(out_dir, data["engine_files"]) != stats:
+        return None
+    return Ahead(raw, stats, problem)
+
+
 def _environment(data: dict, facts: HostFacts) -> list[str]:
     diffs = []
     if data["device"] == "cuda":
@@ -68,12 +113,16 @@ def _environment(data: dict, facts: HostFacts) -> list[str]:
     return diffs
 
 
-def check(out_dir: str | Path, facts: HostFacts | None = None) -> dict:
-    """Return engine.json if the engine may be served here; raise GuardError otherwise."""
+def check(out_dir: str | Path, facts: HostFacts | None = None, ahead: Ahead | None = None) -> dict:
+    """Return engine.json if the engine may be served here; raise GuardError otherwise. AHEAD: this
+    process's integrity check of the same files, done earlier (used only if nothing changed since)."""
     out_dir = Path(out_dir)
-    data = fingerprint.read(out_dir)
+    raw, data = fingerprint.read_raw(out_dir)
     times = LAST_CHECK_SECONDS
     times.clear()
+    if ahead is not None and (ahead.engine_json != raw
+                              or ahead.stats != engine_file_stats(out_dir, data["engine_files"])):
+        ahead = None
 
     def timed(name, fn, *args):
         t = time.monotonic()
@@ -86,10 +135,13 @@ def check(out_dir: str | Path, facts: HostFacts | None = None) -> dict:
         # Hashing (GIL released), CUDA initialisation for the host facts and the backend's imports
         # (torch._inductor: seconds) overlap instead of adding up.
         pending = None if facts else pool.submit(timed, "host_facts", host_facts)
-        integrity = pool.submit(timed, "integrity", _integrity, out_dir, data)
+        integrity = None if ahead else pool.submit(timed, "integrity", _integrity, out_dir, data)
         if backend_info(data["backend"]).prepares:
             timed("backend_prepare", get_backend(data["backend"]).prepare, data["device"])
-        integrity.result()
+        if integrity is not None:
+            integrity.result()
+        elif ahead.problem:
+            raise GuardError(ahead.problem)
         facts = facts or pending.result()
     diffs = _environment(data, facts)
     if diffs:

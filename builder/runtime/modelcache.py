@@ -30,11 +30,13 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import SCHEMA_VERSION, fingerprint
 from .errors import CompileError, GuardError, UsageError
+from .guard import LAST_CHECK_SECONDS, check, integrity_ahead, resolve
 from .params import EngineParams
 
 log = logging.getLogger("mopt_runtime.cache")
@@ -43,6 +45,7 @@ CACHE_FORMAT = 1  # bump when the key's inputs or the layout change: old entries
 RUNTIME_ID_ENV = "MOPT_RUNTIME_ID"  # set by a runtime image's build (its stage key): part of the key
 # Fields of the parameters that do not change the engine: where the model is mounted and its name.
 UNKEYED_PARAMS = ("model_dir", "model_name")
+AHEAD_ENTRIES = 2  # entries hashed while torch imports (bounded: each may be gigabytes)
 
 
 @dataclass(frozen=True)
@@ -135,8 +138,12 @@ def cpu_capability() -> str:
         return platform.machine()
 
 
+def _keyed_params(params: dict) -> dict:
+    return {k: v for k, v in params.items() if k not in UNKEYED_PARAMS}
+
+
 def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float, cpu: str) -> str:
-    keyed = {k: v for k, v in params.to_dict().items() if k not in UNKEYED_PARAMS}
+    keyed = _keyed_params(params.to_dict())
     host = {"torch": facts.torch, "cuda": facts.cuda, "tensorrt": facts.tensorrt}
     if params.device == "cpu":
         host["cpu"] = cpu
@@ -206,14 +213,33 @@ def _remove_unless_locked(lock_path: Path, paths: list[Path]) -> None:
         os.close(fd)
 
 
-def _entry_problem(entry: Path, key: str, digest: str, facts) -> tuple[str | None, dict]:
-    """(None, engine.json) if ENTRY may be served; otherwise (why not, {})."""
-    from .guard import check
+def _likely_entries(engines: Path, digest: str, params: EngineParams) -> list[Path]:
+    """The entries compiled from this model with these parameters (usually one; another GPU or runtime
+    sharing the cache adds one each), newest first, at most AHEAD_ENTRIES."""
+    wanted = _keyed_params(params.to_dict())
+    found = []
+    with contextlib.suppress(OSError):
+        for path in engines.iterdir():
+            if path.name.startswith(".") or not path.is_dir():
+                continue
+            try:
+                meta = path / fingerprint.ENGINE_JSON
+                data = json.loads(meta.read_bytes())
+                if (data["model_digest"] == digest and data["cache"]["key"] == path.name
+                        and _keyed_params(data["params"]) == wanted):
+                    found.append((meta.stat().st_mtime_ns, path))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+    return [path for _, path in sorted(found, reverse=True)[:AHEAD_ENTRIES]]
 
+
+def _entry_problem(entry: Path, key: str, digest: str, facts, ahead=None) -> tuple[str | None, dict]:
+    """(None, engine.json) if ENTRY may be served; otherwise (why not, {}). AHEAD: guard.integrity_ahead's
+    result for ENTRY, if it was hashed while torch imported."""
     if not (entry / fingerprint.ENGINE_JSON).is_file():
         return "no engine.json (an incomplete entry)", {}
     try:
-        data = check(entry, facts)
+        data = check(entry, facts, ahead)
     except GuardError as err:
         return err.message, {}
     listed = set(data["engine_files"])
@@ -304,20 +330,31 @@ def _resolve(source: ModelSource, facts) -> CacheResult:
         return now
 
     model_dir, cache_dir = Path(source.model_dir), Path(source.cache_dir)
-    facts = facts or host_facts()
-    t = lap("host_facts", started)
     engines = cache_dir / "engines"
     with contextlib.suppress(OSError):
         engines.mkdir(parents=True, exist_ok=True)
     digest = model_digest(model_dir, cache_dir)
-    t = lap("model_digest", t)
-    key = cache_key(digest, source.params, runtime_identity(), facts, source.min_cosine, cpu_capability())
+    t = lap("model_digest", started)
+    runtime_id = runtime_identity()
     t = lap("runtime_identity", t)
-    entry = engines / key
-    # Checked under a shared lock: replicas starting together load at once; only a miss waits its turn.
-    with _locked(engines / f"{key}.lock", key, exclusive=False) as writable:
-        problem, data = _entry_problem(entry, key, digest, facts)
+    # The key needs the host's facts, and they need torch (seconds to import): meanwhile the entries this
+    # start will probably check are hashed in threads (hashlib releases the GIL), so the guard need not.
+    pool = ThreadPoolExecutor(max_workers=AHEAD_ENTRIES)
+    ahead = {path.name: pool.submit(integrity_ahead, path) for path in _likely_entries(engines, digest, source.params)}
+    try:
+        facts = facts or host_facts()
+        t = lap("host_facts", t)
+        key = cache_key(digest, source.params, runtime_id, facts, source.min_cosine, cpu_capability())
+        entry = engines / key
+        # Checked under a shared lock: replicas starting together load at once; only a miss waits its turn.
+        with _locked(engines / f"{key}.lock", key, exclusive=False) as writable:
+            hashed = ahead[key].result() if key in ahead else None
+            t = lap("hashing_ahead", t)
+            problem, data = _entry_problem(entry, key, digest, facts, hashed)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # another host's entry need not finish hashing
     lap("guard", t)
+    parts |= {f"guard_{name}": value for name, value in LAST_CHECK_SECONDS.items()}
 
     def hit(data: dict) -> CacheResult:
         result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
@@ -397,6 +434,4 @@ def locate(target: str | Path | ModelSource) -> tuple[Path, dict]:
     if isinstance(target, ModelSource):
         result = resolve_cached(target)
         return result.engine_dir, result.data
-    from .guard import resolve
-
     return resolve(target)

@@ -3,6 +3,7 @@ environment difference (same-major sm included), the fitting-tag advice and reso
 from __future__ import annotations
 
 import json
+import os
 import time
 import types
 from pathlib import Path
@@ -346,3 +347,69 @@ def test_resolve_opt_in_recompiles_into_the_cache(tmp_path, monkeypatch, given):
     assert (out_dir, cache, facts) == (out, tmp_path / "cache", A100)
     assert isinstance(out_dir, Path) and isinstance(cache, Path)
     assert isinstance(err, guard.EngineMismatch) and err.message.startswith("engine built for sm_86")
+
+
+# --- integrity hashed ahead (the model cache overlaps it with importing torch) --------------------
+
+def test_integrity_ahead_is_used_and_not_hashed_again(tmp_path, monkeypatch):
+    out = make_engine(tmp_path)
+    ahead = guard.integrity_ahead(out)
+    assert ahead is not None and ahead.problem is None
+    hashed = []
+    monkeypatch.setattr(guard.fingerprint, "sha256_file", lambda path: hashed.append(path) or "0" * 64)
+    assert guard.check(out, A10G, ahead)["target_sm"] == "86"
+    assert hashed == [] and "integrity" not in guard.LAST_CHECK_SECONDS
+
+
+def test_integrity_ahead_of_a_tampered_engine_refuses_it(tmp_path):
+    out = make_engine(tmp_path)
+    (out / "engine" / "model.pt2").write_bytes(b"not a real engine!")
+    ahead = guard.integrity_ahead(out)
+    assert ahead.problem == (f"engine in {out / 'engine'} failed its integrity check: model.pt2 sha256 differs "
+                             "from engine.json; rebuild or re-pull the image")
+    with pytest.raises(GuardError, match="model.pt2 sha256 differs from engine.json"):
+        guard.check(out, A10G, ahead)
+
+
+def test_a_file_changed_after_hashing_ahead_is_hashed_again(tmp_path):
+    out = make_engine(tmp_path)
+    ahead = guard.integrity_ahead(out)
+    artifact = out / "engine" / "model.pt2"
+    st = artifact.stat()
+    artifact.write_bytes(b"not a real engin!")  # same size; mtime set back below, the ctime moves anyway
+    os.utime(artifact, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(GuardError, match="model.pt2 sha256 differs from engine.json"):
+        guard.check(out, A10G, ahead)
+    assert "integrity" in guard.LAST_CHECK_SECONDS  # hashed again
+
+
+def test_an_engine_json_changed_after_hashing_ahead_is_hashed_again(tmp_path):
+    out = make_engine(tmp_path)
+    ahead = guard.integrity_ahead(out)
+    (out / "engine" / "model.pt2").write_bytes(b"another engine")
+    edit(out, engine_files=fingerprint.file_hashes(out / "engine"))  # consistent files, new engine.json
+    with pytest.raises(GuardError, match="engine_sha256 in engine.json does not match"):
+        guard.check(out, A10G, ahead)  # the ahead result (all matched) was for the old engine.json
+    assert "integrity" in guard.LAST_CHECK_SECONDS  # hashed again
+
+
+def test_another_dirs_ahead_result_is_not_taken(tmp_path):
+    good, bad = make_engine(tmp_path / "a"), make_engine(tmp_path / "b")
+    (bad / "engine" / "model.pt2").write_bytes(b"not a real engine!")
+    with pytest.raises(GuardError, match="model.pt2 sha256 differs"):
+        guard.check(bad, A10G, guard.integrity_ahead(good))
+
+
+@pytest.mark.parametrize("damage", ["no engine.json", "not json", "not an object", "files not a dict"])
+def test_integrity_ahead_of_an_unreadable_entry_is_none(tmp_path, damage):
+    out = make_engine(tmp_path)
+    meta = out / "engine.json"
+    if damage == "no engine.json":
+        meta.unlink()
+    elif damage == "not json":
+        meta.write_text("{")
+    elif damage == "not an object":
+        meta.write_text("[1]")
+    else:
+        edit(out, engine_files=["model.pt2"])
+    assert guard.integrity_ahead(out) is None

@@ -13,6 +13,7 @@ import pytest
 
 from builder.runtime import fingerprint, modelcache
 from builder.runtime.errors import UsageError
+from builder.runtime.guard import LAST_CHECK_SECONDS
 from builder.runtime.hostinfo import HostFacts
 from builder.runtime.params import EngineParams
 
@@ -225,3 +226,62 @@ def test_remove_takes_files_dirs_and_what_is_already_gone(tmp_path):
     for name in ("d", "f", "gone"):
         modelcache._remove(tmp_path / name)
     assert list(tmp_path.iterdir()) == []
+
+
+def fake_entry(engines: Path, name: str, digest: str, params: EngineParams, facts: HostFacts,
+               mtime: int = 0) -> Path:
+    """An entry as a compile writes it (engine files, engine.json with the cache key), its engine a dummy."""
+    entry = engines / name
+    (entry / "engine").mkdir(parents=True)
+    (entry / "engine" / "model.pt2").write_bytes(b"a dummy engine")
+    files = fingerprint.file_hashes(entry / "engine")
+    fingerprint.write(entry, {
+        "backend": params.backend, "backend_version": facts.torch, "torch": facts.torch, "cuda": facts.cuda,
+        "tensorrt": facts.tensorrt, "device": params.device, "target_sm": None, "gpu_name": None, "driver": None,
+        "engine_files": files, "engine_sha256": files["model.pt2"], "artifact": "model.pt2",
+        "model_digest": digest, "params": params.to_dict(), "image": None, "cache": {"key": name}})
+    if mtime:
+        os.utime(entry / "engine.json", ns=(mtime, mtime))
+    return entry
+
+
+CPU_FACTS = HostFacts(torch="2.13.0", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None)
+
+
+def test_the_entries_hashed_ahead_are_this_models_with_these_parameters_newest_first(tmp_path):
+    engines, digest = tmp_path / "engines", "d" * 64
+    params = replace(PARAMS, model_dir="/models/a")
+    old = fake_entry(engines, "k-old", digest, params, CPU_FACTS, mtime=10**18)
+    newer = fake_entry(engines, "k-newer", digest, replace(params, model_dir="/elsewhere"), CPU_FACTS, 3 * 10**18)
+    newest = fake_entry(engines, "k-newest", digest, params, replace(CPU_FACTS, torch="2.12.0"), 4 * 10**18)
+    assert modelcache._likely_entries(engines, digest, params) == [newest, newer]  # AHEAD_ENTRIES, newest first
+    (newest / "engine.json").unlink()
+    (newer / "engine.json").write_text("{")
+    assert modelcache._likely_entries(engines, digest, params) == [old]
+    fake_entry(engines, "k-other-model", "e" * 64, params, CPU_FACTS, 5 * 10**18)
+    fake_entry(engines, "k-other-params", digest, replace(params, max_seq_len=64), CPU_FACTS, 5 * 10**18)
+    misnamed = fake_entry(engines, "k-misnamed", digest, params, CPU_FACTS, 5 * 10**18)
+    misnamed.rename(engines / "k-renamed")  # its engine.json records another key than its name
+    fake_entry(engines, ".tmp-k-x", digest, params, CPU_FACTS, 5 * 10**18)
+    (engines / "k-file").write_text("not an entry")
+    assert modelcache._likely_entries(engines, digest, params) == [old]
+    assert modelcache._likely_entries(tmp_path / "absent", digest, params) == []
+
+
+def test_a_hit_is_hashed_while_the_host_facts_are_read_and_not_again(model, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    source = modelcache.model_source(str(model), str(cache), PARAMS, set(), min_cosine=0.99)
+    digest = modelcache.model_digest(model, cache)
+    key = modelcache.cache_key(digest, source.params, modelcache.runtime_identity(), CPU_FACTS,
+                               source.min_cosine, modelcache.cpu_capability())
+    entry = fake_entry(cache / "engines", key, digest, source.params, CPU_FACTS)
+    order = []
+    hash_file = fingerprint.sha256_file
+    monkeypatch.setattr(fingerprint, "sha256_file", lambda path: order.append("hash") or hash_file(path))
+    monkeypatch.setattr("builder.runtime.hostinfo.host_facts", lambda: order.append("facts") or CPU_FACTS)
+    result = modelcache.resolve_cached(source)
+    assert (result.outcome, result.engine_dir) == ("hit", entry)
+    assert order.count("hash") == 1 and "integrity" not in LAST_CHECK_SECONDS  # ahead only: the guard took it
+    (entry / "engine" / "model.pt2").write_bytes(b"a dummy engine!")  # tampered: the ahead hash sees it
+    problem, _ = modelcache._entry_problem(entry, key, digest, CPU_FACTS, modelcache.integrity_ahead(entry))
+    assert problem.endswith("model.pt2 sha256 differs from engine.json; rebuild or re-pull the image")
