@@ -16,11 +16,17 @@ REQUIRED = ("schema_version", "backend", "backend_version", "torch", "cuda", "te
             "params", "image")
 
 
+HASH_CHUNK = 8 << 20  # bytes a read: the GIL is taken back twice a chunk, which costs up to a switch interval
+# each while another thread runs Python (the model cache hashes while torch imports)
+
+
 def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])  # releases the GIL (large buffers)
     return h.hexdigest()
 
 
