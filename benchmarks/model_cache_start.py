@@ -93,7 +93,7 @@ def main() -> None:
     precision = "bf16" if a.device == "cuda" else "fp32"
     argv = ["--model-id", str(model), "--cache-dir", str(work / "cache"), "--device", a.device,
             "--precision", precision, "--max-seq-len", "512", "--max-batch", "64", "--max-batch-tokens",
-            str(64 * 512), "--input", "packed", "--pooling", "last"]
+            str(64 * 512), "--input", "packed", "--pooling", "last", "--normalize"]  # served_vs_raw's engine
     results = {"model": "tiny qwen3" if a.tiny else f"Qwen3-0.6B shape, {a.layers} layers, random weights",
                "argv": argv, "host_cpus": os.cpu_count()}
     torch_times = [torch_import_s() for _ in range(3)]

@@ -39,6 +39,7 @@ from .httpinput import Refusal, check_entity, check_host, error_body, parse_json
 from .metrics import Metrics
 from .protocol import GuardedProtocol, ProtocolLimits
 from .service import ApiError
+from .tokenbatch import TokenBatches
 
 try:  # optional (installed in the images): float vectors dominate responses; orjson writes them ~10x faster
     import orjson
@@ -211,6 +212,7 @@ class App:
         self.openapi = _load_openapi()
         self.pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="mopt-tokenize")
         self.small_pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="mopt-tokenize-small")
+        self.token_batches = TokenBatches()  # the texts of small requests (tokenbatch.py says why)
         self.inflight_bytes = 0  # reserved body bytes of requests in flight (touched on the loop only)
         self.draining = False  # SIGTERM came: new requests 503, responses close their connection
         self.cut = False  # the drain's cut-off passed: nothing more is queued
@@ -344,7 +346,10 @@ class App:
         service, route = self.service, req.path
         try:
             if length <= self.options.inline_body_bytes:
-                work = _prepare(service, route, raw)
+                payload = _payload(service, route, raw)
+                texts = service.texts_to_tokenize(route, payload)
+                known = await self.token_batches.ids(service.engine.encoder, texts) if texts else None
+                work = service.prepare(route, payload, known)
             else:
                 pool = self.small_pool if length <= SMALL_BODY_BYTES else self.pool
                 work = await asyncio.get_running_loop().run_in_executor(pool, _prepare, service, route, raw)
@@ -463,12 +468,16 @@ class App:
                                    "duration_ms": duration, "client": req.client})
 
 
-def _prepare(service, route: str, raw: bytes):
+def _payload(service, route: str, raw: bytes):
     payload = parse_json(raw)
     fields = getattr(service, "REQUEST_FIELDS", {}).get(route)
     if fields is not None and isinstance(payload, dict) and not payload.keys() <= fields:
         payload = {k: v for k, v in payload.items() if k in fields}  # ignored anyway; not kept till the end
-    return service.prepare(route, payload)
+    return payload
+
+
+def _prepare(service, route: str, raw: bytes):
+    return service.prepare(route, _payload(service, route, raw))
 
 
 def _allow(methods: tuple[str, ...]) -> str:
@@ -673,6 +682,7 @@ def serve(service, host: str, port: int, options: HttpOptions | None = None, *,
     finally:
         app.pool.shutdown(wait=False, cancel_futures=True)
         app.small_pool.shutdown(wait=False, cancel_futures=True)
+        app.token_batches.close()
     code = server.exit_code
     with server.handover:
         server.closed = True

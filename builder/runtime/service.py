@@ -299,14 +299,36 @@ class EmbeddingService:
         "prompt_name"} -> a list of vectors. Errors in OpenAI's format (see the module docstring)."""
         return self.run(self.prepare_embed(payload), deadline, client_gone)
 
-    def prepare(self, route: str, payload) -> Work:
+    def prepare(self, route: str, payload, known: dict[str, list[int]] | None = None) -> Work:
         """The request checked and tokenized, ready for the engine (no engine work yet). /tokenize and
-        /decode need no engine: their Work has no sequences, and finish() makes the answer."""
+        /decode need no engine: their Work has no sequences, and finish() makes the answer. known: token
+        ids of some of its texts, tokenized already (TextEncoder.encode's known)."""
         if route == "/tokenize":
             return self.prepare_tokenize(payload)
         if route == "/decode":
             return self.prepare_decode(payload)
-        return self.prepare_embed(payload) if route in self.TEI_ROUTES else self.prepare_embeddings(payload)
+        if route in self.TEI_ROUTES:
+            return self.prepare_embed(payload, known)
+        return self.prepare_embeddings(payload, known)
+
+    def texts_to_tokenize(self, route: str, payload) -> list[str]:
+        """The texts prepare() would tokenize whole for this request, as far as a look tells: none where it
+        would truncate or format them, or refuse the request before tokenizing. What tokenbatch.py may
+        tokenize ahead (a text given here that prepare() does not take costs time, never a wrong answer)."""
+        if not isinstance(payload, dict) or route not in self.REQUEST_FIELDS or route in ("/tokenize", "/decode"):
+            return []
+        tei = route in self.TEI_ROUTES
+        value = payload.get("inputs" if tei else "input")
+        texts = [value] if isinstance(value, str) else value
+        if (not isinstance(texts, list) or len(texts) > self.limits.max_inputs
+                or any(type(t) is not str or len(t) > self.max_chars for t in texts)):
+            return []
+        try:
+            trunc = self._tei_truncation(payload) if tei else self._vllm_truncation(payload)
+            query = _query_prompt(payload) if tei else payload.get("input_type") == "query"
+        except ApiError:
+            return []
+        return [] if query or (trunc is not None and not trunc.whole) else texts
 
     def prepare_tokenize(self, payload) -> Work:
         """TEI's /tokenize: {"inputs": str | [str], "add_special_tokens": true, "prompt_name": null | "query"}
@@ -358,7 +380,7 @@ class EmbeddingService:
         texts = self.engine.encoder.decode(seqs, skip)
         return Work([], 0, lambda _vectors: texts, answer_bytes=sum(len(t) for t in texts) * 4)
 
-    def prepare_embeddings(self, payload) -> Work:
+    def prepare_embeddings(self, payload, known: dict[str, list[int]] | None = None) -> Work:
         inputs, are_ids = parse_inputs(payload, self.limits.max_inputs)
         # One model: any name is served by it (clients send their own defaults); a served name or alias is
         # echoed in the response, any other gets the primary name. A string, as OpenAI's.
@@ -375,7 +397,7 @@ class EmbeddingService:
         if input_type not in ("query", "document"):
             raise ApiError(400, "input_type must be 'query' or 'document'", param="input_type",
                            code="invalid_input_type")
-        seqs = self._sequences(inputs, are_ids, input_type == "query", self._vllm_truncation(payload), "input")
+        seqs = self._sequences(inputs, are_ids, input_type == "query", self._vllm_truncation(payload), "input", known)
         renormalize = dims is not None and self.engine.params.normalize
         tokens = sum(len(s) for s in seqs)
 
@@ -387,7 +409,7 @@ class EmbeddingService:
 
         return Work(seqs, tokens, finish)
 
-    def prepare_embed(self, payload) -> Work:
+    def prepare_embed(self, payload, known: dict[str, list[int]] | None = None) -> Work:
         inputs, are_ids = parse_inputs(payload, self.limits.max_inputs, key="inputs")
         normalize = payload.get("normalize")
         normalize = True if normalize is None else normalize  # TEI's default
@@ -399,7 +421,7 @@ class EmbeddingService:
                            code="unsupported_normalize")
         query = _query_prompt(payload)
         dims = self._dimensions(payload)
-        seqs = self._sequences(inputs, are_ids, query, self._tei_truncation(payload), "inputs")
+        seqs = self._sequences(inputs, are_ids, query, self._tei_truncation(payload), "inputs", known)
         # Unit length again after a Matryoshka cut, or at all when the engine leaves vectors as they are.
         renormalize = normalize and (dims is not None or not self.engine.params.normalize)
 
@@ -482,7 +504,7 @@ class EmbeddingService:
     # --- inputs to token ids ----------------------------------------------------------------------
 
     def _sequences(self, inputs: list, are_ids: bool, query: bool, trunc: Truncation | None,
-                   key: str) -> list[list[int]]:
+                   key: str, known: dict[str, list[int]] | None = None) -> list[list[int]]:
         """Token ids per input within the limits: characters first (before any tokenizing), then tokens
         per input and per request. key: the request's field, named as the errors' param."""
         enc = self.engine.encoder
@@ -508,20 +530,20 @@ class EmbeddingService:
             while end < len(texts) and (end == start or chars + len(texts[end]) <= TOKENIZE_GROUP_CHARS):
                 chars += len(texts[end])
                 end += 1
-            group = self._tokenize(texts[start:end], trunc, key, query)
+            group = self._tokenize(texts[start:end], trunc, key, query, known)
             total = self._check_tokens(group, start, total, trunc, key)
             seqs.extend(group)
             start = end
         return seqs
 
     def _tokenize(self, texts: list[str], trunc: Truncation | None, key: str = "input",
-                  query: bool = False) -> list[list[int]]:
+                  query: bool = False, known: dict[str, list[int]] | None = None) -> list[list[int]]:
         enc = self.engine.encoder
         try:
             if trunc is None:
-                return enc.encode(texts)
+                return enc.encode(texts, known=known)
             if trunc.whole:
-                return [cut(ids, trunc.max_tokens, trunc.direction) for ids in enc.encode(texts)]
+                return [cut(ids, trunc.max_tokens, trunc.direction) for ids in enc.encode(texts, known=known)]
             prefix = enc.query_prefix if query and trunc.direction == "left" else ""
             if prefix:  # a left cut of a query keeps its instruction
                 return enc.encode(texts, max_tokens=trunc.max_tokens, direction="left", keep_prefix=prefix)

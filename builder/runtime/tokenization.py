@@ -89,11 +89,17 @@ class TextEncoder:
         return self.query_prefix + text
 
     def encode(self, texts: list[str], max_tokens: int | None = None, direction: str = "right",
-               keep_prefix: str = "") -> list[list[int]]:
+               keep_prefix: str = "", known: dict[str, list[int]] | None = None) -> list[list[int]]:
         """Token ids per text. max_tokens: truncate each to at most that many tokens, special tokens
         and the appended EOS included; direction 'right' keeps the start, 'left' keeps the end.
         keep_prefix: every text starts with it (the query instruction) and a left cut keeps it: the
-        cut is taken from what follows it (it took the instruction first)."""
+        cut is taken from what follows it (it took the instruction first). known: encode()'s own
+        answers for some texts (untruncated), computed earlier (tokenbatch.py): those are not encoded again."""
+        if known and max_tokens is None:
+            missing = [t for t in texts if t not in known]
+            if missing:
+                known = {**known, **dict(zip(missing, self.encode(missing), strict=True))}
+            return [list(known[t]) for t in texts]  # copies: a request's lists are its own
         if keep_prefix and max_tokens is not None and direction == "left":
             return self._encode_keeping(texts, max_tokens, keep_prefix)
         if max_tokens is None:

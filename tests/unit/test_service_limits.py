@@ -44,7 +44,9 @@ class SpyEncoder:
     def format_query(self, text: str) -> str:
         return f"Q:{text}"
 
-    def encode(self, texts, max_tokens=None, direction="right"):
+    def encode(self, texts, max_tokens=None, direction="right", known=None):
+        if known and max_tokens is None and all(t in known for t in texts):  # tokenized already (tokenbatch)
+            return [list(known[t]) for t in texts]
         self.calls.append((list(texts), max_tokens, direction))
         out = [ids(t) for t in texts]
         if max_tokens is not None:
