@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     _env_argument(s, "serve", "--tokenizer-threads", "MOPT_TOKENIZER_THREADS", type=int, default=2,
                   help="threads that parse and tokenize requests past --inline-body-bytes")
     _env_argument(s, "serve", "--inline-body-bytes", "MOPT_INLINE_BODY_BYTES", type=int, default=16 * 1024,
-                  help="bodies up to this size are parsed and tokenized on the event loop, larger ones in the "
-                       "tokenizer threads; 0: all in the threads (docs/server.md: the measured effect)")
+                  help="bodies up to this size are parsed on the event loop and their texts tokenized together "
+                       "with the other small requests' in one call a loop turn, larger ones in the tokenizer "
+                       "threads; 0: all in the threads (docs/server.md: the measured effect)")
     _env_argument(s, "serve", "--header-timeout", "MOPT_HEADER_TIMEOUT", type=float, default=10.0,
                   help="seconds from a connection's start (or a keep-alive request's first byte) to the end of "
                        "its headers; 408 and close beyond")
