@@ -34,9 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import SCHEMA_VERSION, fingerprint
+from . import SCHEMA_VERSION, fingerprint, guard
 from .errors import CompileError, GuardError, UsageError
-from .guard import LAST_CHECK_SECONDS, check, integrity_ahead, resolve
 from .params import EngineParams
 
 log = logging.getLogger("mopt_runtime.cache")
@@ -240,7 +239,7 @@ def _entry_problem(entry: Path, key: str, digest: str, facts, ahead=None) -> tup
     if not (entry / fingerprint.ENGINE_JSON).is_file():
         return "no engine.json (an incomplete entry)", {}
     try:
-        data = check(entry, facts, ahead)
+        data = guard.check(entry, facts, ahead)
     except GuardError as err:
         return err.message, {}
     listed = set(data["engine_files"])
@@ -340,7 +339,8 @@ def _resolve(source: ModelSource, facts) -> CacheResult:
     # start will probably check are hashed in threads (hashlib releases the GIL), so the guard need not.
     # The import holds the GIL between the hashes' chunks: a short switch interval hands it over sooner.
     pool = ThreadPoolExecutor(max_workers=AHEAD_ENTRIES)
-    ahead = {path.name: pool.submit(integrity_ahead, path) for path in _likely_entries(engines, digest, source.params)}
+    likely = _likely_entries(engines, digest, source.params)
+    ahead = {path.name: pool.submit(guard.integrity_ahead, path) for path in likely}
     switch = sys.getswitchinterval()
     sys.setswitchinterval(AHEAD_SWITCH_S)
     try:
@@ -359,7 +359,7 @@ def _resolve(source: ModelSource, facts) -> CacheResult:
         sys.setswitchinterval(switch)
         pool.shutdown(wait=False, cancel_futures=True)  # another host's entry need not finish hashing
     lap("guard", t)
-    parts |= {f"guard_{name}": value for name, value in LAST_CHECK_SECONDS.items()}
+    parts |= {f"guard_{name}": value for name, value in guard.LAST_CHECK_SECONDS.items()}
 
     def hit(data: dict) -> CacheResult:
         result = CacheResult(entry, data, key, "hit", round(time.monotonic() - started, 2))
@@ -439,4 +439,4 @@ def locate(target: str | Path | ModelSource) -> tuple[Path, dict]:
     if isinstance(target, ModelSource):
         result = resolve_cached(target)
         return result.engine_dir, result.data
-    return resolve(target)
+    return guard.resolve(target)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.runtime import fingerprint, modelcache
+from builder.runtime import fingerprint, guard, modelcache
 from builder.runtime.errors import UsageError
-from builder.runtime.guard import LAST_CHECK_SECONDS
 from builder.runtime.hostinfo import HostFacts
 from builder.runtime.params import EngineParams
 
@@ -281,7 +280,7 @@ def test_a_hit_is_hashed_while_the_host_facts_are_read_and_not_again(model, tmp_
     monkeypatch.setattr("builder.runtime.hostinfo.host_facts", lambda: order.append("facts") or CPU_FACTS)
     result = modelcache.resolve_cached(source)
     assert (result.outcome, result.engine_dir) == ("hit", entry)
-    assert order.count("hash") == 1 and "integrity" not in LAST_CHECK_SECONDS  # ahead only: the guard took it
+    assert order.count("hash") == 1 and "integrity" not in guard.LAST_CHECK_SECONDS  # ahead only: the guard took it
     (entry / "engine" / "model.pt2").write_bytes(b"a dummy engine!")  # tampered: the ahead hash sees it
-    problem, _ = modelcache._entry_problem(entry, key, digest, CPU_FACTS, modelcache.integrity_ahead(entry))
+    problem, _ = modelcache._entry_problem(entry, key, digest, CPU_FACTS, guard.integrity_ahead(entry))
     assert problem.endswith("model.pt2 sha256 differs from engine.json; rebuild or re-pull the image")
