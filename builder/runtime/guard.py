@@ -135,7 +135,7 @@ def check(out_dir: str | Path, facts: HostFacts | None = None, ahead: Ahead | No
         # Hashing (GIL released), CUDA initialisation for the host facts and the backend's imports
         # (torch._inductor: seconds) overlap instead of adding up.
         pending = None if facts else pool.submit(timed, "host_facts", host_facts)
-        integrity = None if ahead else pool.submit(timed, "integrity", _integrity, out_dir, data)
+        integrity = None if ahead is not None else pool.submit(timed, "integrity", _integrity, out_dir, data)
         if backend_info(data["backend"]).prepares:
             timed("backend_prepare", get_backend(data["backend"]).prepare, data["device"])
         if integrity is not None:

@@ -57,6 +57,7 @@ def entity(**headers) -> dict:
     (entity(content_type=b"application/json; boundary=x"), 10),  # other parameters are ignored
     (entity(content_encoding=b"identity"), 10),
     (entity(content_encoding=[b"Identity", b""]), 10),
+    (entity(content_encoding=b"identity, identity"), 10),  # a list of codings, split at its commas
 ])
 def test_entities_that_pass(headers, length):
     assert check_entity(headers, 100) == length
@@ -75,6 +76,8 @@ def test_entities_that_pass(headers, length):
      "the body must be UTF-8 JSON (charset=utf-8)"),
     (entity(content_type=b"application/json; boundary=x; charset=latin-1"), 415, "unsupported_media_type",
      "the body must be UTF-8 JSON (charset=utf-8)"),  # every parameter is read, not only the first
+    (entity(content_type=b"application/json; boundary=x;charset=latin-1"), 415, "unsupported_media_type",
+     "the body must be UTF-8 JSON (charset=utf-8)"),  # parameters split at ';', spaces or none
     # the parameter's name is what comes before its first "=": this charset is "latin-1=utf-8", not utf-8
     (entity(content_type=b"application/json; charset=latin-1=utf-8"), 415, "unsupported_media_type",
      "the body must be UTF-8 JSON (charset=utf-8)"),

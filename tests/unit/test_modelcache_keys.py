@@ -284,3 +284,17 @@ def test_a_hit_is_hashed_while_the_host_facts_are_read_and_not_again(model, tmp_
     (entry / "engine" / "model.pt2").write_bytes(b"a dummy engine!")  # tampered: the ahead hash sees it
     problem, _ = modelcache._entry_problem(entry, key, digest, CPU_FACTS, guard.integrity_ahead(entry))
     assert problem.endswith("model.pt2 sha256 differs from engine.json; rebuild or re-pull the image")
+
+
+def test_entries_that_are_not_this_models_do_not_end_the_search(tmp_path):
+    class Ordered(type(tmp_path)):  # the listing in name order: the entries that do not count come first
+        def iterdir(self):
+            return iter(sorted(super().iterdir()))
+
+    engines, digest = Ordered(tmp_path / "engines"), "d" * 64
+    good = fake_entry(engines, "z-good", digest, PARAMS, CPU_FACTS)
+    fake_entry(engines, ".a-tmp", digest, PARAMS, CPU_FACTS)
+    (engines / "b-file").write_text("not an entry")
+    (engines / "c-broken").mkdir()
+    (engines / "c-broken" / "engine.json").write_text("{")
+    assert modelcache._likely_entries(engines, digest, PARAMS) == [good]

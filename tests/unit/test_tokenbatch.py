@@ -137,12 +137,14 @@ class Engine:
     ("/embed", {"inputs": ["ab"], "prompt_name": "query"}, []),
     ("/v1/embeddings", {"input": ["ab"], "truncate_prompt_tokens": "x"}, []),  # refused before tokenizing
     ("/v1/embeddings", {"input": ["a" * 65]}, []),  # over max_input_chars
+    ("/v1/embeddings", {"input": ["a" * 64]}, ["a" * 64]),  # at it
     ("/v1/embeddings", {"input": ["a"] * 5}, []),  # over max_inputs
+    ("/v1/embeddings", {"input": ["a"] * 4}, ["a"] * 4),  # at it
     ("/v1/embeddings", {"input": [[1, 2]]}, []),  # token ids
     ("/v1/embeddings", {"input": ["a", 3]}, []),
     ("/v1/embeddings", ["a"], []),
-    ("/tokenize", {"inputs": ["ab"]}, []),
-    ("/decode", {"ids": [1]}, []),
+    ("/tokenize", {"inputs": ["ab"], "input": ["ab"]}, []),  # no engine call: nothing to tokenize ahead
+    ("/decode", {"ids": [1], "input": ["ab"]}, []),
     ("/nowhere", {"input": ["ab"]}, []),
 ])
 def test_the_texts_to_tokenize_ahead_are_those_prepare_tokenizes_whole(route, payload, expected):
