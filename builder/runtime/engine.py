@@ -94,13 +94,14 @@ class Engine:
         return int(self.info["embedding_dim"])
 
     def alive(self) -> bool:
-        """False once a backend's server child (vllm) has exited; always True for in-process engines."""
+        """False once a backend's own engine process (vLLM's EngineCore) has exited; always True for engines
+        that run in this process."""
         probe = getattr(self.run, "alive", None)
         return probe is None or bool(probe())
 
     @property
     def exitcode(self) -> int | None:
-        """The server child's exit code once it has exited (vllm); None otherwise."""
+        """The backend's engine process's exit code once it has exited (vllm); None otherwise."""
         probe = getattr(self.run, "exitcode", None)
         return probe() if probe is not None else None
 

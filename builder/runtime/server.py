@@ -485,15 +485,15 @@ def _allow(methods: tuple[str, ...]) -> str:
 
 
 def _engine_exit(service) -> str:
-    code = getattr(getattr(service, "engine", None), "exitcode", None)  # the worker's, or the server child's
+    code = getattr(getattr(service, "engine", None), "exitcode", None)  # the worker's, or vLLM's EngineCore's
     return f"exit code {code}" if code is not None else "exit code unknown"
 
 
 def _engine_death(service) -> str:
-    """What ended: the worker process (EngineProcess, which can be killed), or the server process behind
-    an engine served in-process (vLLM's)."""
+    """What ended: the worker process (EngineProcess, which can be killed), or the process that runs the
+    forward passes of an engine whose client is in this process (vLLM's EngineCore)."""
     engine = getattr(service, "engine", None)
-    return "the engine worker died" if hasattr(engine, "kill") else "the engine's server process exited"
+    return "the engine worker died" if hasattr(engine, "kill") else "the engine's own process exited"
 
 
 class _Server(uvicorn.Server):

@@ -211,11 +211,14 @@ def test_truncate_prompt_tokens_must_be_an_integer(hardened_vllm, value):
     assert status == 400 and body["error"]["code"] == "invalid_truncate_prompt_tokens", body
 
 
-def test_vllm_image_exits_when_vllms_server_dies(hardened_vllm):
-    """The last test on the container: its vLLM child is killed, the server exits 70 (restart policies act)."""
+def test_vllm_image_exits_when_vllms_engine_process_dies(hardened_vllm):
+    """The last test on the container: vLLM's EngineCore process (spawned by the engine client in mopt's
+    server process) is killed, the server exits 70 (restart policies act)."""
     served, _ = hardened_vllm
-    served.exec("sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q "
-                "'^/opt/venv/bin/python -m vllm.entrypoints' && kill -9 ${p#/proc/}; done; true")
+    killed = served.exec("sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
+                         "grep -qE '^(VLLM::EngineCore|/opt/venv/bin/python -c from multiprocessing.spawn)' && "
+                         "kill -9 ${p#/proc/} && echo ${p#/proc/}; done; true")
+    assert killed.split(), "no EngineCore process in the container"
     state = served.wait_exited(60)
     assert not state["Running"] and state["ExitCode"] == 70, state
-    assert "the engine's server process exited" in served.logs()
+    assert "the engine's own process exited" in served.logs()

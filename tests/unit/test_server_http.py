@@ -966,7 +966,7 @@ def test_the_server_process_behind_an_in_process_engine_exiting_ends_serve_with_
     caplog.set_level(logging.ERROR, logger="builder.runtime.server")
     service.engine.dead = True
     assert running.wait_exit() == srv.EXIT_ENGINE_DIED
-    assert any("the engine's server process exited (exit code -9)" in r.getMessage() for r in caplog.records)
+    assert any("the engine's own process exited (exit code -9)" in r.getMessage() for r in caplog.records)
 
 
 def test_a_request_still_at_the_engine_when_the_drain_ends_gets_503_not_500(start, caplog):

@@ -1,7 +1,7 @@
-"""The vllm flavour's engine behind mopt's server, without vLLM: the loopback client against a
-stand-in for vLLM's OpenAI server (a real child process, started the way Server starts vLLM's), the
-writable mirror of a read-only compile cache, and the worker's exit when that child dies. The real
-vLLM server behind mopt's runs in tests/integration/test_vllm_cpu.py."""
+"""The vllm flavour's engine behind mopt's server, without vLLM: the in-process client against a
+stand-in for the vLLM functions it calls (vLLM does not install beside this venv's torch; it runs in
+the image), the writable mirror of a read-only compile cache, and the worker's exit when the engine's
+process dies. vLLM itself behind mopt's server runs in tests/integration/test_vllm_cpu.py."""
 from __future__ import annotations
 
 import json
@@ -18,42 +18,76 @@ from builder.runtime.backends import vllm_backend as vb
 from builder.runtime.engine import Engine
 from builder.runtime.params import EngineParams
 
-# A stand-in for vLLM's server: /health, and /v1/embeddings answering each token-id list with the
-# vector [len, first id] in base64 float32, in reverse order (the client must sort by index); 401
-# without the key vLLM got in its environment. POST /exit ends the process with code 9.
-STUB = textwrap.dedent('''
-    import base64, json, os, struct, sys
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    KEY = os.environ["VLLM_API_KEY"]
-    port = int(sys.argv[sys.argv.index("--port") + 1])
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        def log_message(self, *args):
+# A stand-in for the part of vLLM 0.32 that InProcess calls (vLLM itself runs in the image:
+# tests/integration/test_vllm_cpu.py). Its engine answers each token-id sequence with the vector
+# [len, first id] after a delay that makes later sequences finish first, records every request id, and
+# can die (DEAD): then encode raises and errored is true, as AsyncLLM's are once EngineCore is gone.
+FAKE_VLLM = {
+    "vllm/__init__.py": """
+        class PoolingParams:
+            def __init__(self, task):
+                self.task, self.verified = task, None
+            def verify(self, model_config):
+                self.verified = model_config
+    """,
+    "vllm/inputs/__init__.py": "",
+    "vllm/inputs/engine.py": """
+        def tokens_input(ids):
+            return {"type": "token", "prompt_token_ids": ids}
+    """,
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/argparse_utils.py": """
+        import argparse
+        class FlexibleArgumentParser(argparse.ArgumentParser):
             pass
-        def _send(self, status, body):
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        def do_GET(self):
-            self._send(200, {})
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if self.path == "/exit":
-                os._exit(9)
-            if self.headers.get("Authorization") != "Bearer " + KEY:
-                return self._send(401, {"error": "bad key"})
-            if "model" in body or body.get("encoding_format") != "base64":
-                return self._send(400, {"error": "unexpected fields"})
-            rows = [{"index": i, "embedding": base64.b64encode(struct.pack("<2f", len(s), s[0])).decode()}
-                    for i, s in enumerate(body["input"])]
-            self._send(200, {"data": rows[::-1]})
-
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-''')
+    """,
+    "vllm/entrypoints/__init__.py": "",
+    "vllm/entrypoints/launchers/__init__.py": "",
+    "vllm/entrypoints/launchers/cli_args.py": """
+        def make_arg_parser(parser):
+            for flag in ("--model", "--runner", "--dtype", "--max-model-len", "--max-num-seqs",
+                         "--max-num-batched-tokens", "--seed", "--distributed-executor-backend",
+                         "--served-model-name"):
+                parser.add_argument(flag)
+            return parser
+        def validate_parsed_serve_args(args):
+            args.validated = True
+    """,
+    "vllm/entrypoints/launchers/api_server/__init__.py": "",
+    "vllm/entrypoints/launchers/api_server/entry.py": """
+        import asyncio, contextlib, types
+        ENGINES = []
+        class Process:
+            exitcode = None
+        class FakeLLM:
+            def __init__(self, args):
+                self.args, self.request_ids, self.dead, self.shut = args, [], False, False
+                self.model_config = "model-config"
+                self.engine_core = types.SimpleNamespace(resources=types.SimpleNamespace(
+                    engine_manager=types.SimpleNamespace(processes=[Process()])))
+            @property
+            def errored(self):
+                return self.dead
+            async def encode(self, prompt, params, request_id):
+                assert params.verified == "model-config" and prompt["type"] == "token"
+                self.request_ids.append(request_id)
+                if self.dead:
+                    raise RuntimeError("EngineDeadError")
+                ids = prompt["prompt_token_ids"]
+                await asyncio.sleep(0.05 / len(ids))
+                import torch
+                yield types.SimpleNamespace(outputs=types.SimpleNamespace(
+                    data=torch.tensor([len(ids), ids[0]], dtype=torch.bfloat16)))
+        @contextlib.asynccontextmanager
+        async def build_async_engine_client(args):
+            llm = FakeLLM(args)
+            ENGINES.append(llm)
+            try:
+                yield llm
+            finally:
+                llm.shut = True
+    """,
+}
 
 
 def params(**kw) -> EngineParams:
@@ -63,56 +97,93 @@ def params(**kw) -> EngineParams:
 
 
 @pytest.fixture
-def stub_server(tmp_path, monkeypatch):
-    script = tmp_path / "stub_vllm.py"
-    script.write_text(STUB)
-    monkeypatch.setattr(vb, "serve_argv", lambda model, p, host, port, python=None:
-                        [sys.executable, str(script), "--model", model, "--port", str(port)])
-    servers = []
+def in_process(tmp_path, monkeypatch):
+    """InProcess over the stand-in vLLM (FAKE_VLLM), its environment changes undone afterwards."""
+    for name, text in FAKE_VLLM.items():
+        path = tmp_path / "fake" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    engines = []
 
     def start():
-        server = vb.Server(str(tmp_path), tmp_path / "cache", params(), timeout=30)
-        servers.append(server)
-        return server
+        engine = vb.InProcess(str(tmp_path / "model"), tmp_path / "cache", params(), timeout=30)
+        engines.append(engine)
+        return engine
 
     yield start
-    for server in servers:
-        server.close()
+    for engine in engines:
+        engine.close()
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]
 
 
-def test_client_sends_token_ids_with_its_key_and_orders_rows(stub_server):
-    server = stub_server()
-    assert server.embed([[5, 6, 7], [9]]) == [[3.0, 5.0], [1.0, 9.0]]
-    assert server.embed([[1]] * 3) == [[1.0, 1.0]] * 3  # the kept connection serves the next batch
+def _fake_llm(engine):
+    return sys.modules["vllm.entrypoints.launchers.api_server.entry"].ENGINES[-1]
+
+
+def test_vllm_gets_the_argv_of_vllm_serve_and_its_environment(in_process, tmp_path):
+    engine = in_process()
+    args = _fake_llm(engine).args
+    assert args.validated and args.model == str(tmp_path / "model")
+    assert args.max_num_seqs == "4" and args.served_model_name == "mopt/minilm-embed"
+    assert (args.dtype, args.distributed_executor_backend, args.max_model_len) == ("float32", "uni", "16")
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "cache")
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # this process has threads: no fork
+    assert engine.alive() and engine.exitcode() is None and engine.start_seconds >= 0
+
+
+def test_token_ids_go_to_vllm_as_they_are_and_come_back_float32_in_order(in_process):
+    engine = in_process()
+    out = engine.embed_ids([[5, 6, 7], [9], [4, 4]])  # the one-token sequence finishes first
+    assert str(out.dtype) == "torch.float32" and out.tolist() == [[3.0, 5.0], [1.0, 9.0], [2.0, 4.0]]
     import torch
 
     ids = torch.tensor([[5, 6, 7, 0], [9, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
-    assert server(ids, mask).tolist() == [[3.0, 5.0], [1.0, 9.0]]  # the engine call: padding dropped
-    # the key is in the child's environment, never on its command line
-    assert not any(server._key in arg for arg in server.proc.args)
+    assert engine(ids, mask).tolist() == [[3.0, 5.0], [1.0, 9.0]]  # the padded engine call: padding dropped
+    assert engine.embed([[1]]) == [[1.0, 1.0]]
+    ids_seen = _fake_llm(engine).request_ids
+    assert len(ids_seen) == len(set(ids_seen)) == 6  # a request id of its own for every sequence
 
 
-def test_a_wrong_key_is_an_engine_error(stub_server):
-    server = stub_server()
-    server._key = "not-the-key"
-    with pytest.raises(RuntimeError, match="answered 401"):
-        server.embed([[1]])
+def test_calls_from_several_threads_run_side_by_side(in_process):
+    """mopt's engine threads call at once; both calls are in vLLM's scheduler together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = in_process()
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda k: engine.embed_ids([[k] * 1] * 8).tolist(), range(1, 5)))
+    assert outs == [[[1.0, float(k)]] * 8 for k in range(1, 5)]
 
 
-def test_a_dead_server_is_seen_as_dead(stub_server):
-    server = stub_server()
-    assert server.alive()
-    import http.client
+def test_a_dead_engine_is_seen_as_dead_and_its_calls_fail(in_process):
+    engine = in_process()
+    llm = _fake_llm(engine)
+    llm.dead = True
+    llm.engine_core.resources.engine_manager.processes[0].exitcode = -9
+    assert not engine.alive() and engine.exitcode() == -9
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        engine.embed_ids([[1]])
 
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    with pytest.raises((http.client.HTTPException, ConnectionError)):
-        conn.request("POST", "/exit", b"{}", {"Content-Length": "2"})
-        conn.getresponse()
-    server.proc.wait(10)
-    assert not server.alive() and server.proc.returncode == 9
-    with pytest.raises((http.client.HTTPException, ConnectionError)):
-        server.embed([[1]])
+
+def test_close_shuts_vllm_down_and_ends_the_loop(in_process):
+    engine = in_process()
+    llm = _fake_llm(engine)
+    engine.close()
+    assert llm.shut and not engine._thread.is_alive() and not engine.alive()
+    engine.close()  # twice is harmless
+
+
+def test_a_start_that_fails_leaves_no_loop_behind(in_process, monkeypatch):
+    monkeypatch.setattr(vb, "engine_argv", lambda model, p: ["--no-such-flag"])
+    threads = {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="vLLM refused the engine arguments"):  # argparse's exit, caught
+        in_process()
+    assert "mopt-vllm" not in {t.name for t in threading.enumerate()} - threads
 
 
 def _shipped(tmp_path):
@@ -258,14 +329,8 @@ def test_worker_closes_its_engine_when_told_to_stop(fake_worker_engine):
     assert not thread.is_alive() and run.closed
 
 
-def test_token_ids_go_to_vllm_as_they_are_and_come_back_float32(stub_server):
-    server = stub_server()
-    out = server.embed_ids([[5, 6, 7], [9]])
-    assert str(out.dtype) == "torch.float32" and out.tolist() == [[3.0, 5.0], [1.0, 9.0]]
-
-
 class _Direct:
-    """A backend that takes unpadded sequences itself (what vllm_backend.Server is to Engine)."""
+    """A backend that takes unpadded sequences itself (what vllm_backend.InProcess is to Engine)."""
 
     def __init__(self):
         self.calls: list[list[list[int]]] = []

@@ -21,8 +21,9 @@ if TYPE_CHECKING:  # params imports registry.py, not this package: no import cyc
     from ..params import EngineParams
 
 # Embeddings for a padded batch: (input_ids, attention_mask) -> float32 [batch, dim], or for a packed one
-# (params.input_form "packed"): (input_ids, seq_lengths, max_len) -> [sequences, dim]. A call backed by a
-# server child (vllm's Server) also has alive(), exitcode() and close(), which engine.Engine passes on.
+# (params.input_form "packed"): (input_ids, seq_lengths, max_len) -> [sequences, dim]. A call whose forward
+# passes run in a process of the backend's own (vllm's InProcess: EngineCore) also has alive(), exitcode() and
+# close(), which engine.Engine passes on.
 EngineCall = Callable[[Any, Any], Any]
 
 

