@@ -102,6 +102,12 @@ def test_vllm_image_serves_hardened_with_a_root_owned_cache(hardened_vllm):
     link = served.exec("sh", "-c", "find /tmp -type l -name '*.so' | head -1 | xargs readlink")
     assert link.startswith("/opt/mopt/engine/engine/vllm-cache/"), link
     assert served.exec("sh", "-c", "find /opt/mopt/engine \\( ! -user root -o -perm /022 \\) -print") == ""
+    # vLLM's engine client runs in mopt's server process: besides it only vLLM's EngineCore (and Python's
+    # resource tracker), no vLLM HTTP server; and its start found everything in the shipped cache
+    commands = served.exec("sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done")
+    assert any(line.startswith("VLLM::EngineCore") for line in commands.splitlines()), commands
+    assert "vllm.entrypoints" not in commands, commands
+    assert "compile was not reused" not in served.logs()
 
 
 def test_vllm_image_has_the_same_api_as_every_flavour(hardened_vllm):
