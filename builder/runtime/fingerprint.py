@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from . import SCHEMA_VERSION
-from .errors import GuardError
+from .errors import GuardError, UsageError
 
 ENGINE_JSON = "engine.json"
 ENGINE_SUBDIR = "engine"
@@ -30,20 +30,39 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _files(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+def tree_files(root: Path) -> list[str]:
+    """Every file under root, as a path relative to it, links followed: a Hugging Face snapshot's files
+    are links into its blobs, and a model's subdirectory (1_Pooling/, a tokenizer dir) may be a link
+    too, whose files the loaders read as much as any. A link to a directory outside root is refused,
+    not skipped (skipped, a change there would not change the digest; followed, `x -> /` would hash
+    the whole file system), and so is a link to a directory that holds it (a loop)."""
+    top = root.resolve()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        here = Path(dirpath)
+        for name in dirnames:
+            link = here / name
+            if link.is_symlink():
+                target = link.resolve()
+                if not target.is_relative_to(top):
+                    raise UsageError(f"{link} links to {target}, outside {root}: copy or mount that directory "
+                                     "into the model directory (a digest must cover every file it uses)")
+                if here.resolve().is_relative_to(target):
+                    raise UsageError(f"{link} links to {target}, a directory that holds it (a loop)")
+        found += [(here / name).relative_to(root).as_posix() for name in filenames if (here / name).is_file()]
+    return sorted(found)
 
 
 def file_hashes(root: str | Path) -> dict[str, str]:
     root = Path(root)
-    return {rel: sha256_file(root / rel) for rel in _files(root)}
+    return {rel: sha256_file(root / rel) for rel in tree_files(root)}
 
 
 def model_digest(model_dir: str | Path) -> str:
     """sha256 over sorted relative paths and contents, so renames and edits both change it."""
     root = Path(model_dir)
     h = hashlib.sha256()
-    for rel in _files(root):
+    for rel in tree_files(root):
         if rel.startswith(".cache/"):  # huggingface_hub download bookkeeping, not model content
             continue
         h.update(rel.encode() + b"\0")

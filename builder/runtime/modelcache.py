@@ -97,11 +97,10 @@ def runtime_identity() -> str:
 
 def _stat_listing(model_dir: Path) -> str:
     rows = []
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(model_dir).as_posix()
+    for rel in fingerprint.tree_files(model_dir):  # the files fingerprint.model_digest reads
         if rel.startswith(".cache/"):  # as fingerprint.model_digest
             continue
-        st = path.stat()
+        st = (model_dir / rel).stat()
         rows.append(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}")
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()
 

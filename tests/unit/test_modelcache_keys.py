@@ -117,6 +117,45 @@ def test_the_listing_sees_names_sizes_and_times(model):
     assert modelcache._stat_listing(model) != second
 
 
+def test_a_linked_subdirectory_is_part_of_the_digest_and_the_listing(model, tmp_path):
+    """A subdirectory may be a link (1_Pooling/ -> a shared copy): its files are read by the loaders, so a
+    change there, or the link pointed elsewhere, must compile again."""
+    for name, mode in (("pool_a", "mean"), ("pool_b", "cls")):
+        (model / "shared" / name).mkdir(parents=True)
+        (model / "shared" / name / "config.json").write_text(json.dumps({"pooling_mode": mode}))
+    (model / "1_Pooling").symlink_to("shared/pool_a", target_is_directory=True)
+    assert "1_Pooling/config.json" in fingerprint.tree_files(model)
+    digest, listing = fingerprint.model_digest(model), modelcache._stat_listing(model)
+    (model / "1_Pooling").unlink()
+    (model / "1_Pooling").symlink_to("shared/pool_b", target_is_directory=True)
+    assert fingerprint.model_digest(model) != digest and modelcache._stat_listing(model) != listing
+    # a linked file (a Hugging Face snapshot's blobs) is read through its link
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"weights")
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").symlink_to(blob)
+    before = fingerprint.model_digest(model)
+    blob.write_bytes(b"other weights")
+    assert fingerprint.model_digest(model) != before
+
+
+def test_a_link_out_of_the_model_or_in_a_loop_is_refused(model, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (model / "extra").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(UsageError, match="outside .*copy or mount that directory"):
+        fingerprint.model_digest(model)
+    with pytest.raises(UsageError, match="outside"):
+        modelcache._stat_listing(model)
+    (model / "extra").unlink()
+    (model / "sub").mkdir()
+    (model / "sub" / "up").symlink_to("..", target_is_directory=True)
+    with pytest.raises(UsageError, match="a loop"):
+        fingerprint.model_digest(model)
+    (model / "sub" / "up").unlink()
+    (model / "sub" / "dangling").symlink_to(tmp_path / "gone")  # a broken link is no file: left out
+    assert fingerprint.tree_files(model) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
 def test_model_source_resolves_the_parameters_and_paths(model, tmp_path):
     got = modelcache.model_source(str(model), str(tmp_path / "c"), PARAMS, {"pooling"}, min_cosine=0.995)
     assert (got.model_dir, got.cache_dir) == (str(model.resolve()), str((tmp_path / "c").resolve()))
