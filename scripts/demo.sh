@@ -5,6 +5,6 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-bash scripts/setup.sh
+bash scripts/setup.sh demo
 export TESTCONTAINERS_RYUK_DISABLED=true
 exec .venv/bin/mopt demo "$@"

@@ -2,6 +2,12 @@
 # Prepare a Debian 12 machine (as root) for mopt: system packages, a running Docker daemon,
 # and the project's virtual environment at <repo>/.venv.
 #
+#   bash scripts/setup.sh demo   what `mopt` needs (scripts/demo.sh): the host is torch-free, engines
+#                                compile inside the images
+#   bash scripts/setup.sh test   that plus what only the tests need (scripts/test.sh; the default):
+#                                the runtime's packages (torch, transformers), pytest, a C++
+#                                compiler, Chromium
+#
 # Idempotent and fast when everything is present: apt-get runs only when a package is missing,
 # dockerd is started only when /usr/bin/docker cannot reach a daemon, and pip runs only when
 # pyproject.toml (or the interpreter) changed since the last successful install.
@@ -14,6 +20,12 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PURPOSE="${1:-test}"
+case "$PURPOSE" in
+    demo) EXTRAS="" ;;
+    test) EXTRAS="[test,runtime]" ;;
+    *) printf '[setup] ERROR: unknown purpose %s (demo or test)\n' "$PURPOSE" >&2; exit 2 ;;
+esac
 VENV="$REPO/.venv"
 STAMP="$VENV/.mopt-setup-key"
 DOCKER=/usr/bin/docker
@@ -34,11 +46,18 @@ PACKAGES=(
     debootstrap          # fallback rootfs builder
     debian-archive-keyring
     skopeo               # inspect/copy images in registries
-    python3 python3-venv python3-dev
-    gcc g++              # AOTInductor on CPU needs a C++ compiler
+    python3 python3-venv
     curl ca-certificates git xz-utils
+)
+# Only the tests: the runtime as a plain program, its compile and the report's rendering check.
+TEST_PACKAGES=(
+    python3-dev
+    gcc g++              # AOTInductor on CPU needs a C++ compiler
     chromium             # headless rendering check of the HTML release report
 )
+if [ "$PURPOSE" = test ]; then
+    PACKAGES+=("${TEST_PACKAGES[@]}")
+fi
 
 is_installed() {
     [ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null || true)" = "installed" ]
@@ -144,22 +163,24 @@ setup_venv() {
         say "venv: creating $VENV with $py ($("$py" -c 'import platform; print(platform.python_version())'))"
         "$py" -m venv "$VENV"
     fi
-    local key
+    local key have
     key="$(venv_key)"
-    if [ "${MOPT_FORCE_PIP:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ]; then
-        say "venv: up to date"
+    have="$(cat "$STAMP" 2>/dev/null || true)"
+    # The stamp is "KEY EXTRAS": a venv set up for the tests has everything the demo needs too.
+    if [ "${MOPT_FORCE_PIP:-0}" != 1 ] && { [ "$have" = "$key $EXTRAS" ] || [ "$have" = "$key [test,runtime]" ]; }; then
+        say "venv: up to date ($PURPOSE)"
         return
     fi
-    if [ -z "${PIP_FIND_LINKS:-}" ] && ! "$VENV/bin/pip" config list 2>/dev/null | grep -q find-links; then
+    if [ "$PURPOSE" = test ] && [ -z "${PIP_FIND_LINKS:-}" ] && ! "$VENV/bin/pip" config list 2>/dev/null | grep -q find-links; then
         say "venv: WARNING no pip find-links set: torch will come from the index (large CUDA build)"
     fi
-    say "venv: pip install -e '.[test,runtime]' (quiet; can take a few minutes)"
+    say "venv: pip install -e '.$EXTRAS' (quiet; can take a few minutes)"
     rm -f "$STAMP"
     # This machine's pip.conf names index directories that may not exist; pip then warns once per
     # package ("Location ... is ignored"). Drop just that noise, keep every other message.
-    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,runtime]') \
+    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".$EXTRAS") \
         2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2 || true)
-    echo "$key" >"$STAMP"
+    echo "$key $EXTRAS" >"$STAMP"
     say "venv: installed"
 }
 

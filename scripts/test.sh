@@ -5,7 +5,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
-bash scripts/setup.sh
+bash scripts/setup.sh test
 export TESTCONTAINERS_RYUK_DISABLED=true
 # CI has the machine to itself: the fault test that restarts dockerd (stopping every container) may run.
 if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
