@@ -169,6 +169,16 @@ def test_the_module_uses_its_pooling_and_pack_mode():
     assert PackedEmbeddingModule(FakeBody(), "cls", normalize=False).dense is True
 
 
+def test_roberta_positions_start_after_the_padding_index():
+    """RoBERTa's family numbers a sequence's positions from pad_token_id + 1 (families.yaml); the offset
+    goes to the body with every sequence's own positions."""
+    body = FakeBody(types.SimpleNamespace(model_type="roberta", type_vocab_size=1, pad_token_id=1))
+    module = PackedEmbeddingModule(body, "cls", normalize=False)
+    assert module.first_position == 2
+    module(*pack(SEQS))
+    assert body.calls[0]["position_ids"].tolist() == [[2, 3, 4, 2, 2, 3, 4, 5]]
+
+
 def test_a_uniform_call_pools_each_row():
     body = FakeBody()
     out = PackedEmbeddingModule(body, "mean", normalize=False)(*pack([[2, 4], [6, 8]], dense=True))
