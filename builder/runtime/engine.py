@@ -67,6 +67,8 @@ def pack_calls(lengths: list[int], max_rows: int, max_tokens: int) -> list[tuple
 
 @dataclass
 class Engine:
+    DEATH = "the engine's own process exited"  # what the server logs when alive() turns False (vLLM's EngineCore)
+
     params: EngineParams
     encoder: TextEncoder
     run: object  # callable(input_ids, attention_mask) -> float32 tensor [batch, dim]
@@ -108,6 +110,13 @@ class Engine:
     @property
     def concurrent_calls(self) -> bool:
         return backend_info(self.params.backend).concurrent_calls
+
+    def kill(self) -> None:
+        """End a stalled engine at once where the backend can (vLLM: its calls fail, EngineCore gets
+        SIGKILL); an engine that runs in this process has nothing to kill."""
+        stop = getattr(self.run, "kill", None)
+        if stop is not None:
+            stop()
 
     def close(self, timeout: float = 10.0) -> None:  # noqa: ARG002  (in-process: nothing to wait for)
         stop = getattr(self.run, "close", None)

@@ -490,10 +490,9 @@ def _engine_exit(service) -> str:
 
 
 def _engine_death(service) -> str:
-    """What ended: the worker process (EngineProcess, which can be killed), or the process that runs the
-    forward passes of an engine whose client is in this process (vLLM's EngineCore)."""
-    engine = getattr(service, "engine", None)
-    return "the engine worker died" if hasattr(engine, "kill") else "the engine's own process exited"
+    """What ended, as the engine names it: the worker process (EngineProcess), or the process that runs
+    the forward passes of an engine whose client is in this process (Engine: vLLM's EngineCore)."""
+    return getattr(getattr(service, "engine", None), "DEATH", "the engine died")
 
 
 class _Server(uvicorn.Server):

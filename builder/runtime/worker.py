@@ -94,6 +94,8 @@ class EngineProcess:
     come in the order the batches were sent, so the batcher can send the next batch while the worker
     still computes the one before (the pipe holds it): the worker never waits for the server."""
 
+    DEATH = "the engine worker died"  # what the server logs when alive() turns False
+
     def __init__(self, target):
         """TARGET: an engine dir, or a modelcache.ModelSource (compiled into its cache on a miss)."""
         self.target = target if not isinstance(target, Path) else str(target)

@@ -10,6 +10,8 @@ Shares .mopt/test-state with test_release.py, so on a warm machine this reuses t
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -216,6 +218,73 @@ def test_truncate_prompt_tokens_must_be_an_integer(hardened_vllm, value):
     status, body = embed(served.port, {"input": SHORT, "truncate_prompt_tokens": value},
                          headers={"Authorization": f"Bearer {key}"})
     assert status == 400 and body["error"]["code"] == "invalid_truncate_prompt_tokens", body
+
+
+def _heavy_requests(port: int, count: int) -> tuple[list, list]:
+    """COUNT requests of 32 inputs of 200 words each, sent at once (a backlog of tens of seconds on 2
+    cores); each thread leaves the status it got, or the error, in results."""
+    body = json.dumps({"input": ["word " * 200] * 32}).encode()
+    results: list = [None] * count
+
+    def one(i: int) -> None:
+        try:
+            results[i] = request(port, "POST", "/v1/embeddings", body, {"Content-Type": "application/json"},
+                                 timeout=90)[0]
+        except OSError as exc:
+            results[i] = repr(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+@pytest.fixture
+def vllm_container(docker_cli, released):
+    """A fresh hardened container of the released vllm image (each test here ends it its own way)."""
+    _, _, report = released
+    row = next(v for v in report["variants"] if v["id"] == VARIANT)
+    container = ServedContainer(docker_cli.path, row["image_id"], memory="3g", env={"MOPT_ENGINE_STALL_TIMEOUT": "5"})
+    try:
+        yield container.start(health_timeout_s=240)
+    finally:
+        container.stop()
+
+
+def test_vllm_image_docker_stop_answers_every_request_and_exits_zero(vllm_container):
+    """vLLM's client lives in the server process: a call in flight at the drain's end must neither hang
+    the exit nor outlast Docker's 10 s (found by review: the process never exited)."""
+    results, threads = _heavy_requests(vllm_container.port, 20)
+    time.sleep(2)
+    started = time.monotonic()
+    vllm_container.docker_stop(10)
+    took = time.monotonic() - started
+    for t in threads:
+        t.join(30)
+    state = vllm_container.state()
+    assert state["ExitCode"] == 0 and not state["OOMKilled"], (state, vllm_container.logs()[-2000:])
+    assert took < 10, took
+    assert all(r in (200, 503) for r in results), results
+    assert 200 in results and "Traceback" not in vllm_container.logs().split('"event": "serving"')[-1]
+
+
+def test_a_stalled_vllm_engine_ends_the_container_with_71(vllm_container):
+    """EngineCore stopped (SIGSTOP) under load: the watchdog sees no answer, the calls waiting on it are
+    answered 503 at once, EngineCore is killed and the server exits 71 (restart policies act)."""
+    results, threads = _heavy_requests(vllm_container.port, 6)
+    time.sleep(2)
+    pid = vllm_container.exec("sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
+                              "grep -q '^VLLM::EngineCore' && echo ${p#/proc/}; done; true").strip()
+    assert pid.isdigit(), pid
+    vllm_container.exec("sh", "-c", f"kill -STOP {pid}")  # the shell's kill: the image has no procps
+    stopped = time.monotonic()
+    state = vllm_container.wait_exited(40)
+    assert not state["Running"] and state["ExitCode"] == 71, (state, vllm_container.logs()[-2000:])
+    assert time.monotonic() - stopped < 20
+    for t in threads:
+        t.join(30)
+    assert all(r in (200, 503) or "Connection" in str(r) for r in results), results
+    assert 503 in results, results  # the requests waiting on the stalled engine got an answer
 
 
 def test_vllm_image_exits_when_vllms_engine_process_dies(hardened_vllm):

@@ -61,6 +61,7 @@ class Engine:
     """Vectors [1, 0]; embed_ids may be held (gate), made to hang (stall) or to count calls."""
 
     dim = 2
+    DEATH = "the engine worker died"  # as EngineProcess's
 
     def __init__(self):
         self.params = EngineParams(max_seq_len=64, max_batch=8, model_name="fake-model")
@@ -951,7 +952,10 @@ def test_a_bad_served_model_name_is_a_usage_error(value):
 
 
 class _InProcessEngine(Engine):
-    """An engine served in-process (vLLM's): nothing to kill, its server is a child process."""
+    """An engine whose client is in the server process (vLLM's): its forward passes run in a process of
+    the backend's own (EngineCore); here without a kill."""
+
+    DEATH = "the engine's own process exited"  # as engine.Engine's
 
     @property
     def kill(self):
@@ -959,7 +963,7 @@ class _InProcessEngine(Engine):
 
 
 def test_the_server_process_behind_an_in_process_engine_exiting_ends_serve_with_70(start, caplog):
-    """The log names the process that ended: vLLM's server, not a worker mopt started."""
+    """The log names the process that ended: vLLM's EngineCore, not a worker mopt started."""
     service = EmbeddingService(_InProcessEngine(), ServerLimits(max_batch=8, max_wait_ms=1))
     service.engine.exitcode = -9
     running = start(service, drain_timeout_s=1)

@@ -9,6 +9,7 @@ import os
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,11 @@ FAKE_VLLM = {
         ENGINES = []
         class Process:
             exitcode = None
+            pid = None
         class FakeLLM:
             def __init__(self, args):
                 self.args, self.request_ids, self.dead, self.shut = args, [], False, False
+                self.hold, self.cancelled = False, []
                 self.model_config = "model-config"
                 self.engine_core = types.SimpleNamespace(resources=types.SimpleNamespace(
                     engine_manager=types.SimpleNamespace(processes=[Process()])))
@@ -74,7 +77,13 @@ FAKE_VLLM = {
                 if self.dead:
                     raise RuntimeError("EngineDeadError")
                 ids = prompt["prompt_token_ids"]
-                await asyncio.sleep(0.05 / len(ids))
+                try:
+                    await asyncio.sleep(0.05 / len(ids))
+                    while self.hold:  # a stalled engine: nothing comes back
+                        await asyncio.sleep(0.01)
+                except asyncio.CancelledError:  # as AsyncLLM.encode: a cancelled request is aborted
+                    self.cancelled.append(request_id)
+                    raise
                 import torch
                 yield types.SimpleNamespace(outputs=types.SimpleNamespace(
                     data=torch.tensor([len(ids), ids[0]], dtype=torch.bfloat16)))
@@ -168,6 +177,80 @@ def test_a_dead_engine_is_seen_as_dead_and_its_calls_fail(in_process):
     assert not engine.alive() and engine.exitcode() == -9
     with pytest.raises(RuntimeError, match="EngineDeadError"):
         engine.embed_ids([[1]])
+
+
+def _pending_call(engine):
+    """A call from an engine thread that vLLM never answers, and a way to see how it ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _fake_llm(engine).hold = True
+    pool = ThreadPoolExecutor(1)
+    call = pool.submit(engine.embed_ids, [[1, 2], [3]])
+    deadline = time.monotonic() + 5
+    while len(_fake_llm(engine).request_ids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not call.done()
+    return call, pool
+
+
+def test_close_fails_a_call_in_flight_at_once(in_process):
+    """vLLM's shutdown alone would leave it waiting forever (and Python's exit joining its thread)."""
+    engine = in_process()
+    llm = _fake_llm(engine)
+    call, pool = _pending_call(engine)
+    started = time.monotonic()
+    engine.close()
+    with pytest.raises(RuntimeError, match="shut down with this call in flight"):
+        call.result(5)
+    assert time.monotonic() - started < 3
+    assert sorted(llm.cancelled) == sorted(llm.request_ids) and llm.shut  # aborted in vLLM, then shut down
+    pool.shutdown()
+
+
+def test_a_call_whose_loop_is_gone_does_not_wait_forever(in_process, monkeypatch):
+    engine = in_process()
+    call, pool = _pending_call(engine)
+    monkeypatch.setattr(engine, "_fail_calls", lambda: __import__("asyncio").sleep(0))  # nothing fails it
+    engine._loop.call_soon_threadsafe(engine._loop.stop)
+    engine._thread.join(5)
+    with pytest.raises(RuntimeError, match="shut down with this call in flight"):
+        call.result(5)  # the slice check sees the loop's thread gone
+    pool.shutdown()
+    engine._loop.run_until_complete(vb.InProcess._fail_calls(engine))  # the test's own cleanup
+
+
+def test_kill_fails_the_calls_and_kills_enginecore(in_process):
+    """The watchdog's kill for a stalled engine: SIGKILL reaches a stopped EngineCore too."""
+    import subprocess
+
+    engine = in_process()
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc = _fake_llm(engine).engine_core.resources.engine_manager.processes[0]
+        proc.pid = core.pid
+        call, pool = _pending_call(engine)
+        engine.kill()
+        assert not engine.alive()  # at once: the failed calls are answered 503 engine_down, not 500
+        assert core.wait(5) == -9
+        with pytest.raises(RuntimeError, match="shut down with this call in flight"):
+            call.result(5)
+        pool.shutdown()
+    finally:
+        core.kill()
+        core.wait()
+
+
+def test_the_engine_passes_kill_on_and_names_its_death():
+    killed = []
+
+    class Run(_Run):
+        def kill(self):
+            killed.append(True)
+
+    Engine(params(), encoder=None, run=Run(), info={}).kill()
+    Engine(params(), encoder=None, run=_Run(), info={}).kill()  # nothing to kill: nothing happens
+    assert killed == [True]
+    assert Engine.DEATH == "the engine's own process exited" and worker.EngineProcess.DEATH == "the engine worker died"
 
 
 def test_close_shuts_vllm_down_and_ends_the_loop(in_process):

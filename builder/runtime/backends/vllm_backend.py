@@ -13,6 +13,7 @@ arguments the cache was made with, so the cache hits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +37,8 @@ CPU_KVCACHE_GIB = "1"
 # runs in the engine-core process instead (uni executor; vLLM keeps "mp" on CPU unless
 # VLLM_ENABLE_V1_MULTIPROCESSING=0), so the images need no --shm-size.
 MQ_CHUNK_MIB = "2"
+# How often a waiting engine call checks that the engine was not shut down meanwhile (embed_ids).
+CALL_CHECK_S = 0.5
 log = logging.getLogger(__name__)
 
 
@@ -146,6 +149,8 @@ class InProcess:
         self._argv = engine_argv(model_dir, params)
         self._ids = itertools.count()
         self._llm = self._context = None
+        self._closed = False
+        self._calls: set = set()  # the _embed tasks in flight (on the loop), failed by close() and kill()
         self._loop = _new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mopt-vllm", daemon=True)
         self._thread.start()
@@ -177,12 +182,12 @@ class InProcess:
         self._pooling.verify(self._llm.model_config)
 
     def alive(self) -> bool:
-        return self._thread.is_alive() and self._llm is not None and not self._llm.errored
+        """False once killed or closed (its calls fail then: a 503, not a 500) or once vLLM's engine died."""
+        return not self._closed and self._thread.is_alive() and self._llm is not None and not self._llm.errored
 
     def exitcode(self) -> int | None:
         """The EngineCore process's exit code once it has exited."""
-        manager = getattr(getattr(getattr(self._llm, "engine_core", None), "resources", None), "engine_manager", None)
-        codes = [proc.exitcode for proc in getattr(manager, "processes", ()) if proc.exitcode is not None]
+        codes = [proc.exitcode for proc in self._engine_processes() if proc.exitcode is not None]
         return codes[0] if codes else None
 
     def __call__(self, input_ids, attention_mask):
@@ -193,10 +198,24 @@ class InProcess:
         return self.embed_ids(seqs)
 
     def embed_ids(self, seqs: list[list[int]]):
-        """Token-id sequences as they are (Engine.embed_tensor calls this directly) -> float32 [n, dim]."""
-        import asyncio
+        """Token-id sequences as they are (Engine.embed_tensor calls this directly) -> float32 [n, dim].
 
-        return asyncio.run_coroutine_threadsafe(self._embed(seqs), self._loop).result()
+        Waits in slices: a call must never outlive the engine. vLLM's shutdown cancels its output
+        handler before that could fail the requests in flight, so a call pending at close() would wait
+        forever, and Python's exit joins the engine threads that wait (the process would never end)."""
+        import asyncio
+        import concurrent.futures
+
+        future = asyncio.run_coroutine_threadsafe(self._embed(seqs), self._loop)
+        while True:
+            try:
+                return future.result(CALL_CHECK_S)
+            except concurrent.futures.CancelledError:
+                raise RuntimeError("vLLM's engine was shut down with this call in flight") from None
+            except TimeoutError:
+                if self._closed or not self._thread.is_alive():
+                    future.cancel()
+                    raise RuntimeError("vLLM's engine was shut down with this call in flight") from None
 
     def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         return self.embed_ids(inputs).tolist()
@@ -210,6 +229,8 @@ class InProcess:
         from vllm.inputs.engine import tokens_input
 
         call = next(self._ids)
+        task = asyncio.current_task()
+        self._calls.add(task)
 
         async def one(i: int, seq: list[int]):
             final = None
@@ -217,16 +238,49 @@ class InProcess:
                 final = out
             return final.outputs.data
 
-        rows = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
+        try:
+            rows = await asyncio.gather(*(one(i, seq) for i, seq in enumerate(seqs)))
+        finally:
+            self._calls.discard(task)
         return torch.stack(rows).to(torch.float32)
 
-    def close(self) -> None:
-        """vLLM's shutdown (it ends the EngineCore process), then the loop."""
+    async def _fail_calls(self) -> None:
+        """Cancel the calls in flight: their callers get an error at once, and vLLM aborts their
+        requests (encode's cancellation path)."""
         import asyncio
 
+        calls = list(self._calls)
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    def kill(self) -> None:
+        """End a stalled engine at once (the server's watchdog): the calls in flight fail, EngineCore
+        gets SIGKILL (which reaches a stopped process too). Does not wait: called on the server's loop."""
+        import asyncio
+        import signal
+
+        self._closed = True
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._fail_calls(), self._loop)
+        for proc in self._engine_processes():
+            if proc.pid and proc.exitcode is None:
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGKILL)
+
+    def _engine_processes(self) -> list:
+        manager = getattr(getattr(getattr(self._llm, "engine_core", None), "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", ()))
+
+    def close(self) -> None:
+        """The calls in flight fail, then vLLM's shutdown (it ends the EngineCore process), then the loop."""
+        import asyncio
+
+        self._closed = True
         if self._context is not None and self._thread.is_alive():
             context, self._context = self._context, None
             try:
+                asyncio.run_coroutine_threadsafe(self._fail_calls(), self._loop).result(10)
                 asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), self._loop).result(60)
             except Exception as exc:  # noqa: BLE001 - shutting down: say it, go on
                 log.warning("vLLM's engine did not shut down cleanly: %s", exc)
