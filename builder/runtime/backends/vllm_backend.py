@@ -342,12 +342,14 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     if work != shipped:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
+    from ..tokenization import TextEncoder
 
-    warm_up = AutoTokenizer.from_pretrained(model_dir)(["warm-up", "a second, longer warm-up input for the engine"])
+    # The ids mopt's server would send for these texts (its own tokenizer, padding and EOS rules).
+    encoder = TextEncoder(model_dir, params.pooling, params.instruction, params.pad_left)
+    warm_up = encoder.encode(["warm-up", "a second, longer warm-up input for the engine"])
     engine = InProcess(model_dir, work, params)
     try:
-        probe = engine.embed(warm_up["input_ids"])
+        probe = engine.embed(warm_up)
     finally:
         engine.close()
     if not _hash_dirs(work):
