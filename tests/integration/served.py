@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,17 @@ class ServedContainer:
     def docker_stop(self, timeout_s: int = 10) -> None:
         """`docker stop` as a user runs it: SIGTERM, then SIGKILL after timeout_s."""
         _docker(self.docker, "stop", "-t", str(timeout_s), self.cid, timeout=timeout_s + 60)
+
+    def docker_stop_under_load(self, threads: list, settle_s: float) -> float:
+        """After SETTLE_S (the requests in: some computing, some queued), `docker stop` with Docker's
+        default 10 s; then the request threads joined (bounded). The seconds docker stop took."""
+        time.sleep(settle_s)
+        started = time.monotonic()
+        self.docker_stop(10)
+        took = time.monotonic() - started
+        for t in threads:
+            t.join(30)
+        return took
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -146,6 +158,26 @@ def request(port: int, method: str, path: str, body: bytes | None = None, header
         return response.status, dict(response.getheaders()), response.read()
     finally:
         conn.close()
+
+
+def posts_in_threads(port: int, body: bytes, count: int, headers: dict | None = None,
+                     timeout: float = 60) -> tuple[list, list]:
+    """COUNT copies of an embeddings POST sent at once, each on its own connection and thread: the
+    threads, and results where each leaves the status it got or the error it met (a list read after
+    joining the threads)."""
+    results: list = [None] * count
+
+    def one(i: int) -> None:
+        try:
+            results[i] = request(port, "POST", "/v1/embeddings", body,
+                                 {"Content-Type": "application/json", **(headers or {})}, timeout=timeout)[0]
+        except OSError as exc:
+            results[i] = repr(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    return results, threads
 
 
 def embed(port: int, payload: dict, timeout: float = 120, headers: dict | None = None) -> tuple[int, dict]:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.integration.served import ServedContainer, embed, raw_exchange, request
+from tests.integration.served import ServedContainer, embed, posts_in_threads, raw_exchange, request
 from tests.serving import statuses
 
 pytestmark = pytest.mark.integration
@@ -287,23 +287,8 @@ def test_docker_stop_answers_every_request_and_exits_zero(docker_cli, cpu_demo_i
         limits = info["limits"]
         text = ("lorem ipsum dolor sit amet " * (limits["max_input_chars"] // 27 + 1))[:limits["max_input_chars"]]
         body = json.dumps({"input": [text] * 64, "truncate_prompt_tokens": -1}).encode()
-        results: list = [None] * 20
-        threads = []
-        for i in range(20):
-            def one(i=i):
-                try:
-                    results[i] = request(container.port, "POST", "/v1/embeddings", body,
-                                         {"Content-Type": "application/json", **AUTH}, timeout=60)[0]
-                except OSError as exc:
-                    results[i] = repr(exc)
-            threads.append(threading.Thread(target=one, daemon=True))
-            threads[-1].start()
-        time.sleep(3)  # all in: some computing, some queued
-        started = time.monotonic()
-        container.docker_stop(10)
-        took = time.monotonic() - started
-        for t in threads:
-            t.join(30)
+        results, threads = posts_in_threads(container.port, body, 20, AUTH, timeout=60)
+        took = container.docker_stop_under_load(threads, settle_s=3)
         state = container.state()
         assert state["ExitCode"] == 0 and not state["OOMKilled"], (state, container.logs()[-2000:])
         assert took < 10, took

@@ -10,7 +10,6 @@ Shares .mopt/test-state with test_release.py, so on a warm machine this reuses t
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 
@@ -22,7 +21,7 @@ from builder.dockerclient import run_docker
 from builder.localregistry import LocalRegistry
 from builder.state import StateDir
 from tests.integration.conftest import STATE, mopt_cli
-from tests.integration.served import ServedContainer, embed, raw_exchange, request
+from tests.integration.served import ServedContainer, embed, posts_in_threads, raw_exchange, request
 from tests.serving import statuses
 
 pytestmark = pytest.mark.integration
@@ -222,21 +221,8 @@ def test_truncate_prompt_tokens_must_be_an_integer(hardened_vllm, value):
 
 def _heavy_requests(port: int, count: int) -> tuple[list, list]:
     """COUNT requests of 32 inputs of 200 words each, sent at once (a backlog of tens of seconds on 2
-    cores); each thread leaves the status it got, or the error, in results."""
-    body = json.dumps({"input": ["word " * 200] * 32}).encode()
-    results: list = [None] * count
-
-    def one(i: int) -> None:
-        try:
-            results[i] = request(port, "POST", "/v1/embeddings", body, {"Content-Type": "application/json"},
-                                 timeout=90)[0]
-        except OSError as exc:
-            results[i] = repr(exc)
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
-    for t in threads:
-        t.start()
-    return results, threads
+    cores)."""
+    return posts_in_threads(port, json.dumps({"input": ["word " * 200] * 32}).encode(), count, timeout=90)
 
 
 @pytest.fixture
@@ -255,12 +241,7 @@ def test_vllm_image_docker_stop_answers_every_request_and_exits_zero(vllm_contai
     """vLLM's client lives in the server process: a call in flight at the drain's end must neither hang
     the exit nor outlast Docker's 10 s (found by review: the process never exited)."""
     results, threads = _heavy_requests(vllm_container.port, 20)
-    time.sleep(2)
-    started = time.monotonic()
-    vllm_container.docker_stop(10)
-    took = time.monotonic() - started
-    for t in threads:
-        t.join(30)
+    took = vllm_container.docker_stop_under_load(threads, settle_s=2)
     state = vllm_container.state()
     assert state["ExitCode"] == 0 and not state["OOMKilled"], (state, vllm_container.logs()[-2000:])
     assert took < 10, took
