@@ -26,6 +26,7 @@ class BackendSpec:
     own_server: bool
     verify: bool
     compile_options: tuple[str, ...]
+    engine_holds_weights: bool = False  # the final image ships the model dir without its weight files
     # device -> family (encoder | decoder) -> (form, source); empty: padded engines only.
     input_forms: dict = field(default_factory=dict)
 
@@ -48,7 +49,8 @@ def load_backend(path: Path) -> BackendSpec:
     return BackendSpec(name=data["name"], description=data["description"], version_axis=data["version_axis"],
                        runtime_template=data["runtime_template"], runtime_packages=tuple(data["runtime_packages"]),
                        own_server=data["own_server"], verify=data["verify"],
-                       compile_options=tuple(data["compile_options"]), input_forms=data.get("input_forms", {}))
+                       compile_options=tuple(data["compile_options"]), input_forms=data.get("input_forms", {}),
+                       engine_holds_weights=data.get("engine_holds_weights", False))
 
 
 @cache

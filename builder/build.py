@@ -9,6 +9,7 @@ FROM an image id, and the final image's layers are checked to start with the run
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from . import base as base_module
 from . import hubs
+from .backends import backend
 from .buildcache import CACHED_STAGES, RegistryCache
 from .dockerclient import DOCKER_ROOT, DockerCli, docker_free_gib, find_docker, run_docker
 from .errors import BuildError, ConfigError, EnvironmentProblem
@@ -33,6 +35,7 @@ from .render import (
     MOUNTS,
     RUNTIME_PACKAGE,
     RenderedVariant,
+    defaults,
     model_runtime_repository,
     render_variant,
     runtime_digest,
@@ -135,10 +138,14 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _link_tree(src: Path, dst: Path) -> None:
+def _link_tree(src: Path, dst: Path, leave_out: tuple[str, ...] = ()) -> None:
+    """SRC's files under DST, but for byte-code caches, hidden files and directories (a hub client's .cache)
+    and names matching a LEAVE_OUT pattern."""
     for path in sorted(src.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and not path.name.startswith("."):
-            _link_or_copy(path, dst / path.relative_to(src))
+        rel = path.relative_to(src)
+        if path.is_file() and "__pycache__" not in rel.parts and not any(p.startswith(".") for p in rel.parts) \
+                and not any(fnmatch.fnmatch(path.name, pattern) for pattern in leave_out):
+            _link_or_copy(path, dst / rel)
 
 
 def _readable_by_all(root: Path) -> None:
@@ -362,9 +369,7 @@ class Builder:
             shutil.rmtree(context, ignore_errors=True)
             _link_tree(RUNTIME_PACKAGE, context / "mopt_runtime")
             self._write_context_lock(context, lock_files)
-            (context / "wheelhouse").mkdir(parents=True)
-            for wheel in self.wheelhouse:
-                _link_or_copy(wheel, context / "wheelhouse" / wheel.name)
+            self._write_context_wheelhouse(context)
             try:
                 return self._docker_build(variant, "runtime", render_dir / "Dockerfile.runtime", context, tag,
                                           runtime_key, {"BASE_IMAGE": base.image}, {})
@@ -380,15 +385,13 @@ class Builder:
         entry = self.matrix.image(variant.image)
         made = self.runtime(variant)
         rendered, render_dir, keys, runtime = made.rendered, made.render_dir, made.keys, made.runtime
-        lock_files, lock_digest = made.lock_files, made.lock_digest
         stages = [made.base, runtime]
 
-        compiler = runtime
-        if "toolchain" in keys:
-            compiler = self._toolchain(variant, render_dir, runtime, keys["toolchain"], lock_files, lock_digest)
+        compiler = self.compiler(variant, made)
+        if compiler is not runtime:
             stages.append(compiler)
 
-        model = self.model(variant, runtime)
+        model = self.model(variant, compiler)  # a generated model is made with the compile's packages
         compiled = self._compile(variant, rendered, render_dir, compiler, model)
         stages.append(compiled)
         engine_dir = Path(compiled.image)
@@ -399,13 +402,17 @@ class Builder:
         short_tag, long_tag = image_tags(variant.tag, variant.long_tag, model.substituted)
         labels = {"io.mopt.runtime.id": runtime.image_id, **model_labels(model, entry.recipe.description),
                   "org.opencontainers.image.ref.name": short_tag}
-        final_key = sha256_text(keys["final"], compiled.key, runtime.image_id, json.dumps(labels, sort_keys=True))
+        # An engine that holds the weights ships beside the model's other files only (tokenizer, config).
+        weights_left_out = tuple(defaults()["model_weight_files"]) if backend(variant.backend).engine_holds_weights \
+            else ()
+        final_key = sha256_text(keys["final"], compiled.key, runtime.image_id, json.dumps(labels, sort_keys=True),
+                                *weights_left_out)
 
         def build_final(tag: str) -> str:
             context = self.state.context("final", final_key)
             shutil.rmtree(context, ignore_errors=True)
             _link_tree(engine_dir, context / "engine")
-            _link_tree(model.path, context / "model")
+            _link_tree(model.path, context / "model", weights_left_out)
             _readable_by_all(context)  # the image copies them owned by root: the serving user must read them
             try:
                 image_id = self._docker_build(
@@ -444,10 +451,8 @@ class Builder:
         under the repository's -runtime twin; the compiler stage's image id is its runtime identity."""
         made = self.runtime(variant)
         stages = [made.base, made.runtime]
-        compiler = made.runtime
-        if "toolchain" in made.keys:
-            compiler = self._toolchain(variant, made.render_dir, made.runtime, made.keys["toolchain"],
-                                       made.lock_files, made.lock_digest)
+        compiler = self.compiler(variant, made)
+        if compiler is not made.runtime:
             stages.append(compiler)
         files = made.rendered.files
         key = sha256_text("model-runtime", compiler.image_id, files["Dockerfile.model-runtime"],
@@ -478,6 +483,14 @@ class Builder:
         return ModelRuntimeResult(variant_id=variant.id, image_id=stage.image_id, references=references,
                                   stages=tuple(stages), size_bytes=int(info.get("Size") or 0))
 
+    def compiler(self, variant: Variant, made: RuntimeStages) -> StageRecord:
+        """Where the variant's engine compiles: its toolchain stage (the runtime plus a compiler and what the
+        serving-only runtime leaves out), or the runtime itself for a backend without one."""
+        if "toolchain" not in made.keys:
+            return made.runtime
+        return self._toolchain(variant, made.render_dir, made.runtime, made.keys["toolchain"], made.lock_files,
+                               made.lock_digest)
+
     def _toolchain(self, variant: Variant, render_dir: Path, runtime: StageRecord, render_key: str,
                    lock_files: dict[str, str], lock_digest: str) -> StageRecord:
         """The runtime plus a compiler, for the compile step only. Its layers must start with the runtime's:
@@ -488,6 +501,7 @@ class Builder:
             context = self.state.context("toolchain", key)
             shutil.rmtree(context, ignore_errors=True)
             self._write_context_lock(context, lock_files)
+            self._write_context_wheelhouse(context)  # it installs again what the serving runtime left out
             try:
                 image_id = self._docker_build(variant, "toolchain", render_dir / "Dockerfile.toolchain", context, tag,
                                               key, {"RUNTIME_IMAGE": runtime.image}, {})
@@ -538,6 +552,11 @@ class Builder:
                               f"the lock has {str(base.get('image_id'))[:19]}; run mopt lock")
         self.log(f"  locked: {len(entry['python'])} Python packages (hashes), {len(entry['debian'])} Debian packages")
         return {"requirements.txt": requirements_text(entry), "debian.txt": "\n".join(entry["debian"]) + "\n"}
+
+    def _write_context_wheelhouse(self, context: Path) -> None:
+        (context / "wheelhouse").mkdir(parents=True, exist_ok=True)
+        for wheel in self.wheelhouse:
+            _link_or_copy(wheel, context / "wheelhouse" / wheel.name)
 
     @staticmethod
     def _write_context_lock(context: Path, files: dict[str, str]) -> None:

@@ -1,6 +1,7 @@
 """mopt lock: pin what a runtime image is made of, so the same image can be built months later.
 
-Per runtime (one entry per distinct Dockerfile.base + Dockerfile.runtime, the "lock key"):
+Per runtime (one entry per distinct Dockerfile.base + Dockerfile.runtime [+ Dockerfile.toolchain], the "lock
+key"; read from the toolchain image where there is one: it holds what the serving-only runtime leaves out):
   base      the base image by id (and the rootfs sha256 for rootfs bases, the repo digest otherwise)
   python    every installed distribution as `name==version --hash=sha256:...`, the hashes of the
             exact wheels pip would fetch (the wheelhouse's for the local torch)
@@ -49,9 +50,14 @@ PY
 """
 
 
+LOCKED_DOCKERFILES = ("Dockerfile.base", "Dockerfile.runtime", "Dockerfile.toolchain")
+
+
 def lock_key(render_dir: Path) -> str:
-    """What decides a runtime's dependencies: the two rendered Dockerfiles (not mopt's own runtime code)."""
-    return sha256_text((render_dir / "Dockerfile.base").read_text(), (render_dir / "Dockerfile.runtime").read_text())
+    """What decides a runtime's dependencies: its rendered Dockerfiles, the toolchain's where it has one (not
+    mopt's own runtime code)."""
+    return sha256_text(*((render_dir / name).read_text() for name in LOCKED_DOCKERFILES
+                         if name != "Dockerfile.toolchain" or (render_dir / name).is_file()))
 
 
 def read_lock(path: Path) -> dict:
@@ -172,9 +178,12 @@ def make_lock(builder, variants, path: Path, log: Log = print) -> dict:
             else:
                 info = json.loads(run_docker(["image", "inspect", made.base_ref], docker=builder.docker).stdout)[0]
                 base["image_id"], base["repo_digests"] = info["Id"], info.get("RepoDigests", [])
-            log(f"locking {variant.id} (runtime {made.runtime.image_id[:19]})")
+            # A serving-only runtime leaves out what its toolchain stage installs again: the toolchain holds
+            # both sets (and the compiler's Debian packages), so one entry pins both stages.
+            read = builder.compiler(variant, made)
+            log(f"locking {variant.id} ({read.name} {read.image_id[:19]})")
             entries[key] = {"variants": [variant.id], "base": base,
-                            **lock_runtime(builder.docker, made.runtime.image_id, wheels, options.ca_bundle)}
+                            **lock_runtime(builder.docker, read.image_id, wheels, options.ca_bundle)}
         except (BuildError, EnvironmentProblem) as exc:
             why = exc.message.splitlines()[0].removeprefix(f"{variant.id}: ")
             log(f"locking {variant.id} partly: {why}")

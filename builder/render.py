@@ -62,14 +62,17 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
     spec = backend(variant.backend)
     packages = list(data["runtime_packages"]) + list(spec.runtime_packages)
     cuda_nodot = cuda.replace(".", "") if cuda else ""
+    indexes = {k: v.replace("{cuda_nodot}", cuda_nodot) for k, v in data["indexes"].items()}
     return {
         "id": variant.id, "image": variant.image, "flavour": variant.flavour, "backend": variant.backend,
         "compile_options": spec.compile_options, "verify": spec.verify,
+        "engine_holds_weights": spec.engine_holds_weights,
         "device": variant.device, "repository": variant.repository, "tag": variant.tag,
         "long_tag": variant.long_tag, "resolved": resolved, "python": resolved["python"],
         "base": resolved["base"], "cuda_nodot": cuda_nodot, "cuda_major": cuda.split(".")[0] if cuda else "",
         "torch_cuda_nodot": cuda_nodot, "runtime_source": resolved.get("runtime_source", "pypi"),
-        "indexes": {k: v.replace("{cuda_nodot}", cuda_nodot) for k, v in data["indexes"].items()},
+        "indexes": indexes, "torch_args": _torch_args(variant, indexes, cuda_nodot),
+        "serving_prune": data["serving_prune"], "serving_only": False,  # render_variant sets it
         "packages": packages, "vllm_cpu_remove": data["vllm_cpu_remove"], "user": data["user"],
         "paths": data["paths"], "mounts": MOUNTS, "engine": recipe.engine,
         "precision": recipe.precision_for(variant.device), "pooling": recipe.pooling,
@@ -90,6 +93,17 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "forward_compat": (resolved.get("forward_compat") if variant.device == "cuda"
                            and matrix.bases[resolved["base"]["name"]].has_cuda else None),
     }
+
+
+def _torch_args(variant: Variant, indexes: dict, cuda_nodot: str) -> list[str]:
+    """pip's arguments for the variant's torch: the +cpu build (a wheelhouse's, PyPI has none), or a CUDA
+    build from PyTorch's CUDA index as the only index (no dependency confusion between two indexes)."""
+    torch = variant.resolved.get("torch")
+    if not torch:
+        return []
+    if variant.device == "cpu":
+        return [f"torch=={torch}+cpu"]
+    return ["--index-url", indexes["pytorch_cuda"], f"torch=={torch}+cu{cuda_nodot}"]
 
 
 def _packed(variant: Variant, recipe, spec) -> dict | None:
@@ -191,6 +205,9 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
     """siblings: every planned variant of the same image and flavour (the guard names their tags)."""
     env = _environment(templates)
     context = _context(matrix, variant)
+    toolchain = toolchain_template(templates, variant.backend)
+    # A backend that compiles in a toolchain stage serves from a runtime without what only the compile needs.
+    context["serving_only"] = bool(toolchain)
     entry = matrix.image(variant.image)
     recipe = entry.recipe
     files = {
@@ -200,7 +217,6 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         "Dockerfile.final": _render_template(env, "final.Dockerfile.j2", context),
         "Dockerfile.model-runtime": _render_template(env, "model-runtime.Dockerfile.j2", context),
     }
-    toolchain = toolchain_template(templates, variant.backend)
     if toolchain:
         files["Dockerfile.toolchain"] = _render_template(env, toolchain, context)
     # The guard names the tag that fits a host's GPU: same image, flavour and CUDA, other sm.

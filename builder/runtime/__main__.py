@@ -452,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as err:  # a serving image leaves out what only the compile needs
+        print(f"error: {args.command} needs the Python package {err.name!r}, which this image does not ship (a "
+              "serving image leaves out what only the compile needs; the model runtime image has it: "
+              "docs/hardening.md)", file=sys.stderr)
+        return UsageError.exit_code
     if isinstance(result, int):  # serve's exit code (non-zero: the engine worker died)
         # The drain has used most of Docker's 10 s; the interpreter's teardown would then garbage-collect
         # every object torch and vLLM made (1.7 s measured with vLLM's client in this process). Frozen

@@ -173,7 +173,8 @@ def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) ->
         raise GuardError(f"{err.message}; cannot recompile: model dir {model_dir!r} is not present") from None
     if fingerprint.model_digest(model_dir) != data["model_digest"]:
         raise GuardError(f"{err.message}; cannot recompile: the model in {model_dir} differs from "
-                         "the one this engine was built from") from None
+                         "the one this engine was built from (an image whose engine holds the weights, label "
+                         "io.mopt.model.weights=in-engine, ships the model without them)") from None
     device = "cuda" if facts.sm else "cpu"
     params = EngineParams.from_dict({**old.to_dict(), "device": device,
                                      "precision": old.precision if device == "cuda" else "fp32"})

@@ -133,3 +133,32 @@ def test_engine_and_model_are_root_owned_and_read_only_to_the_server(docker_cli,
              "do test -w $p && echo writable: $p; test -r $p || echo unreadable: $p; done; echo done")
     assert in_image(docker_cli, cpu_demo_image, probe).split() == ["done"]
     assert in_image(docker_cli, cpu_demo_image, "id -u").strip() == "10001"
+
+
+def test_the_serving_image_leaves_out_what_only_the_compile_needs(docker_cli, cpu_demo_image):
+    # defaults.yaml's serving_prune: none of those packages is installed (pip's own record agrees), torch's
+    # headers and tests are gone, and the model directory has its tokenizer and config but no weights (the
+    # .pt2 holds them). A compile-only command says so in one line, exit 2.
+    from builder.render import defaults
+
+    prune = defaults()["serving_prune"]
+    names = {n.lower().replace("_", "-") for n in prune["packages"]}
+    listing = in_image(docker_cli, cpu_demo_image,
+                       "ls /opt/venv/lib/python3*/site-packages | grep -i dist-info; "
+                       "ls -d /opt/venv/lib/python3*/site-packages/torch/include 2>&1 || true; "
+                       "ls /opt/mopt/model")
+    installed = {line.split("-")[0].lower().replace("_", "-") for line in listing.splitlines()
+                 if line.endswith(".dist-info")}
+    assert "torch" in installed and "tokenizers" in installed and "uvicorn" in installed
+    assert not installed & names, installed & names
+    assert "No such file" in listing
+    assert "tokenizer.json" in listing and "config.json" in listing
+    assert not any(line.endswith((".safetensors", ".bin")) for line in listing.splitlines())
+    labels = json.loads(run_docker(["image", "inspect", cpu_demo_image], docker=docker_cli).stdout)[0]["Config"]["Labels"]
+    assert labels["io.mopt.model.weights"] == "in-engine"
+    result = run_docker(["run", "--rm", "--network", "none", cpu_demo_image, "--help"], docker=docker_cli, check=False)
+    assert result.returncode == 0  # the serve command itself is all there
+    made = run_docker(["run", "--rm", "--network", "none", "--entrypoint", "python", cpu_demo_image, "-m",
+                       "mopt_runtime", "make-tiny-qwen3", "--out", "/tmp/m"], docker=docker_cli, check=False)
+    assert made.returncode == 2, made.stdout + made.stderr
+    assert made.stderr.strip().count("\n") == 0 and "which this image does not ship" in made.stderr

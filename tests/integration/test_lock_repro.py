@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from builder.dockerclient import find_docker
+from builder.render import defaults
 from builder.state import StateDir
 from tests.integration.conftest import STATE, copy_matrix
 from tests.integration.conftest import mopt_cli as mopt
@@ -55,13 +56,21 @@ def test_locked_build_installs_exactly_the_lock(work):
     result = mopt("build", "--locked", "--select", VARIANT, cwd=work)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "locked: " in result.stderr
-    runtime = StateDir(STATE).read_record("minilm-embed", "cpu").stage("runtime").image_id
+    record = StateDir(STATE).read_record("minilm-embed", "cpu")
     docker = find_docker()
-    frozen = subprocess.run([docker.path, "run", "--rm", "--entrypoint", "python", runtime, "-m", "pip", "freeze",
-                             "--all"], capture_output=True, text=True, check=True).stdout.split()
+
+    def frozen(image: str) -> list[str]:
+        return sorted(subprocess.run([docker.path, "run", "--rm", "--entrypoint", "python", image, "-m", "pip",
+                                      "freeze", "--all"], capture_output=True, text=True, check=True).stdout.split())
+
     (entry,) = [e for e in json.loads((work / "mopt.lock.json").read_text())["runtimes"].values()
                 if VARIANT in e["variants"]]
-    assert sorted(frozen) == sorted(line.split(" ")[0] for line in entry["python"])
+    locked = sorted(line.split(" ")[0] for line in entry["python"])
+    # The toolchain holds the whole locked set; the serving-only runtime all of it but serving_prune's.
+    assert frozen(record.stage("toolchain").image_id) == locked
+    pruned = {n.lower().replace("_", "-") for n in defaults()["serving_prune"]["packages"]}
+    assert frozen(record.stage("runtime").image_id) == [
+        line for line in locked if line.split("==")[0].lower().replace("_", "-") not in pruned]
 
 
 def test_stale_lock_fails_clearly(work):

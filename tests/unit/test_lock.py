@@ -41,6 +41,14 @@ def test_a_changed_base_or_runtime_dockerfile_changes_the_key(tmp_path, name):
     assert changed != key and len(changed) == len(key) == 64
 
 
+def test_a_toolchain_dockerfile_is_part_of_the_key_where_there_is_one(tmp_path):
+    # The serving-only runtime leaves out what the toolchain installs again: one entry pins both stages.
+    plain = lock_key(_render(tmp_path / "a"))
+    with_toolchain = lock_key(_render(tmp_path / "b", **{"Dockerfile.toolchain": "FROM runtime\n"}))
+    changed = lock_key(_render(tmp_path / "c", **{"Dockerfile.toolchain": "FROM runtime\nRUN pip install y\n"}))
+    assert len({plain, with_toolchain, changed}) == 3
+
+
 @pytest.mark.parametrize("name", ["Dockerfile.compile", "Dockerfile", "compile.sh", "requirements.txt"])
 def test_other_rendered_files_do_not_change_the_key(tmp_path, name):
     assert lock_key(_render(tmp_path / "b", **{name: "changed\n"})) == lock_key(_render(tmp_path / "a"))

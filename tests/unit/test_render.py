@@ -131,3 +131,38 @@ def test_no_pip_step_adds_an_index_where_one_index_serves_it(planned):
                 assert "--extra-index-url https://pypi.nvidia.com " in line, line
                 seen_nvidia += 1
     assert seen_torch and seen_nvidia  # both kinds were rendered
+
+
+def _files(planned, variant_id: str) -> dict:
+    repo, matrix, plan = planned
+    variant = next(v for v in plan.variants if v.id == variant_id)
+    return render_variant(matrix, variant, repo / "templates", FIXED_RUNTIME_DIGEST).files
+
+
+@pytest.mark.parametrize("variant_id", ["minilm-embed:cpu", "qwen3-embed:cu130-sm90-aot"])
+def test_a_serving_only_runtime_prunes_in_each_install_and_its_toolchain_installs_it_again(planned, variant_id):
+    from builder.render import defaults
+
+    prune = defaults()["serving_prune"]
+    files = _files(planned, variant_id)
+    runs = [run for run in files["Dockerfile.runtime"].split("\nRUN ") if "pip install" in run]
+    assert len(runs) == 2
+    for run in runs:  # in the installing RUN itself: a later RUN would leave the files in a lower layer
+        assert "pip uninstall -y -q " + " ".join(prune["packages"]) in run
+        assert "rm -rf " + " ".join(prune["torch_paths"]) in run
+    toolchain = files["Dockerfile.toolchain"]
+    torch_arg = next(a for a in runs[0].split() if a.startswith("torch==")).rstrip(";")
+    forced = [line for line in toolchain.splitlines() if "--no-deps --force-reinstall" in line]
+    assert any(torch_arg in line for line in forced)  # torch's headers again, from the same wheel
+    assert "--require-hashes --no-deps --force-reinstall -r /tmp/torch.txt" in toolchain
+    assert "transformers==" in toolchain.split("--force-reinstall")[-1]
+    assert 'io.mopt.model.weights="in-engine"' in files["Dockerfile.final"]
+
+
+@pytest.mark.parametrize("variant_id", ["minilm-embed:cpu-vllm", "qwen3-embed:cu128-sm90-vllm",
+                                        "qwen3-embed:cu121-sm86"])
+def test_runtimes_that_compile_or_serve_with_their_packages_keep_them(planned, variant_id):
+    files = _files(planned, variant_id)
+    assert "pip uninstall -y -q transformers" not in files["Dockerfile.runtime"]
+    assert "Dockerfile.toolchain" not in files
+    assert 'io.mopt.model.weights="in-model-dir"' in files["Dockerfile.final"]
