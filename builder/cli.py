@@ -443,9 +443,10 @@ def lock(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, 
          extra_index_url, models) -> None:
     """Pin bases by id, Python packages with hashes and Debian packages by version, per runtime (mopt.lock.json).
 
-    Builds each selected variant's runtime image (and its toolchain, where it has one; no engine compile) and reads it. A runtime that cannot be
-    built here (a base no registry here serves) gets a partial entry: the versions the plan resolved and
-    what is missing; a locked build refuses it until mopt lock runs where that runtime builds."""
+    Builds each selected variant's runtime image (and its toolchain, where it has one; no engine compile)
+    and reads it. A runtime that cannot be built here (a base no registry here serves) gets a partial entry:
+    the versions the plan resolved and what is missing; a locked build refuses it until mopt lock runs where
+    that runtime builds."""
     from .build import Builder
     from .lock import make_lock
     from .plan import make_plan

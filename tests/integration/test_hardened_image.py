@@ -154,7 +154,8 @@ def test_the_serving_image_leaves_out_what_only_the_compile_needs(docker_cli, cp
     assert "No such file" in listing
     assert "tokenizer.json" in listing and "config.json" in listing
     assert not any(line.endswith((".safetensors", ".bin")) for line in listing.splitlines())
-    labels = json.loads(run_docker(["image", "inspect", cpu_demo_image], docker=docker_cli).stdout)[0]["Config"]["Labels"]
+    inspect = json.loads(run_docker(["image", "inspect", cpu_demo_image], docker=docker_cli).stdout)[0]
+    labels = inspect["Config"]["Labels"]
     assert labels["io.mopt.model.weights"] == "in-engine"
     result = run_docker(["run", "--rm", "--network", "none", cpu_demo_image, "--help"], docker=docker_cli, check=False)
     assert result.returncode == 0  # the serve command itself is all there
