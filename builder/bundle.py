@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import __version__, hubs
 from .attest.sbom import sbom
-from .dockerclient import DockerCli, find_docker, run_docker
+from .dockerclient import DockerCli, find_docker, run_docker, skopeo_daemon_host
 from .errors import BuildError, ConfigError, EnvironmentProblem, SmokeTestError
 from .hashing import dump_json, sha256_file
 from .models import HUB_KINDS
@@ -61,7 +61,7 @@ def export(variants: list[tuple[Variant, VariantRecord, dict]], out: Path, *, st
             if fmt == "oci":
                 run_docker(["tag", record.image_id, record.references[0]], docker=docker)
                 result = subprocess.run(
-                    ["skopeo", "copy", "--quiet", f"docker-daemon:{record.references[0]}",
+                    ["skopeo", "copy", "--quiet", *skopeo_daemon_host("src"), f"docker-daemon:{record.references[0]}",
                      f"oci-archive:{archive}:{record.references[0]}"], capture_output=True, text=True)
                 if result.returncode != 0:
                     raise BuildError(f"skopeo copy to an OCI archive failed: {result.stderr.strip()[-300:]}")
@@ -163,7 +163,8 @@ def install(bundle: Path, *, smoke: bool = True, state_dir: Path | None = None, 
             archive = root / entry["archive"]
             if index.get("image_format") == "oci":
                 ref = entry["references"][0]
-                cmd = ["skopeo", "copy", "--quiet", f"oci-archive:{archive}", f"docker-daemon:{ref}"]
+                cmd = ["skopeo", "copy", "--quiet", *skopeo_daemon_host("dest"), f"oci-archive:{archive}",
+                       f"docker-daemon:{ref}"]
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
                     raise BuildError(f"loading {archive.name} failed: {result.stderr.strip()[-300:]}")

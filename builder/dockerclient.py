@@ -72,6 +72,14 @@ class _Attempt:
     problem: str
 
 
+def skopeo_daemon_host(side: Literal["src", "dest"], env: Mapping[str, str] | None = None) -> list[str]:
+    """skopeo's arguments that point its docker-daemon: transport at the daemon docker uses: skopeo reads
+    /var/run/docker.sock unless told, while docker and the SDK follow DOCKER_HOST (rootless Docker, a
+    second daemon)."""
+    host = (os.environ if env is None else env).get("DOCKER_HOST", "")
+    return [f"--{side}-daemon-host", host] if host else []
+
+
 def docker_free_gib(fallback: Path = Path("/")) -> float:
     """GiB free under the daemon's root (under FALLBACK where that directory is not on this host)."""
     return shutil.disk_usage(DOCKER_ROOT if DOCKER_ROOT.exists() else fallback).free / 2**30

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..dockerclient import DockerCli, mask_secrets, run_docker
+from ..dockerclient import DockerCli, mask_secrets, run_docker, skopeo_daemon_host
 from ..errors import PublishError
 
 Log = Callable[[str], None]
@@ -72,7 +72,7 @@ def copy_image(image_id: str, ref: str, config_dir: Path, *, insecure: bool, log
         digest_file = Path(tmp) / "digest"
         argv = [skopeo, "copy", "--quiet", "--retry-times", str(COPY_RETRIES), "--digestfile", str(digest_file),
                 "--dest-authfile", str(config_dir / "config.json"), f"--dest-tls-verify={str(not insecure).lower()}",
-                f"docker-daemon:{image_id}", f"docker://{ref}"]
+                *skopeo_daemon_host("src"), f"docker-daemon:{image_id}", f"docker://{ref}"]
         env = dict(os.environ)
         if insecure:  # a loopback registry: never through an environment proxy
             env["NO_PROXY"] = env["no_proxy"] = ",".join(filter(None, [env.get("NO_PROXY", ""), ref.split("/")[0]]))
