@@ -27,6 +27,9 @@ class BackendSpec:
     verify: bool
     compile_options: tuple[str, ...]
     engine_holds_weights: bool = False  # the final image ships the model dir without its weight files
+    # A base without CUDA, CUDA's libraries from PyPI wheels alone: the oldest CUDA it can (None: none) and why.
+    cuda_from_pypi_min: str | None = None
+    cuda_from_pypi_why: str = "its description declares no cuda_from_pypi"
     # device -> family (encoder | decoder) -> (form, source); empty: padded engines only.
     input_forms: dict = field(default_factory=dict)
 
@@ -50,7 +53,12 @@ def load_backend(path: Path) -> BackendSpec:
                        runtime_template=data["runtime_template"], runtime_packages=tuple(data["runtime_packages"]),
                        own_server=data["own_server"], verify=data["verify"],
                        compile_options=tuple(data["compile_options"]), input_forms=data.get("input_forms", {}),
-                       engine_holds_weights=data.get("engine_holds_weights", False))
+                       engine_holds_weights=data.get("engine_holds_weights", False),
+                       **_cuda_from_pypi(data.get("cuda_from_pypi")))
+
+
+def _cuda_from_pypi(entry: dict | None) -> dict:
+    return {"cuda_from_pypi_min": entry["min_cuda"], "cuda_from_pypi_why": entry["why"]} if entry else {}
 
 
 @cache

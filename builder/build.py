@@ -249,7 +249,7 @@ class Builder:
     def _base_image(self, variant: Variant, locked: dict | None) -> tuple[str, str]:
         """(reference, image id) of the base the base stage builds FROM; a locked build takes a registry
         base by the digest the lock recorded, so a tag moved since cannot change it."""
-        spec = self.matrix.bases[variant.resolved["base"]["name"]]
+        spec = self.matrix.bases[variant.resolved.base.name]
         if spec.kind == "rootfs":
             image = base_module.ensure_base(
                 base_module.BaseSpec(name=spec.image, epoch=spec.source_date_epoch, packages=spec.packages,
@@ -257,7 +257,7 @@ class Builder:
                 self.state.bases, self.docker, log=lambda line: self.log("  " + line))
             return spec.image, image.image_id
         digests = (locked or {}).get("base", {}).get("repo_digests") or []
-        ref = digests[0] if digests else variant.resolved["base"]["ref"]
+        ref = digests[0] if digests else variant.resolved.base.ref
         info = self._inspect(ref)
         if info is None:
             result = run_docker(["pull", ref], docker=self.docker, check=False, timeout=900)
@@ -303,7 +303,7 @@ class Builder:
     def _compile(self, variant: Variant, rendered: RenderedVariant, render_dir: Path, runtime: StageRecord,
                  model: LocalModel) -> StageRecord:
         compile_stage = next(s for s in rendered.manifest["stages"] if s["name"] == "compile")
-        target_sm = variant.resolved.get("sm") or "cpu"
+        target_sm = variant.resolved.sm or "cpu"
         key = sha256_text(compile_stage["key"], runtime.image_id, model.digest, target_sm)
         engine_dir = self.state.engine_dir(key)
         if (engine_dir / ".complete").exists() and not self.options.force:

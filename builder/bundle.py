@@ -72,8 +72,8 @@ def export(variants: list[tuple[Variant, VariantRecord, dict]], out: Path, *, st
             index["variants"].append({"id": variant.id, "references": list(record.references),
                                       "image_id": record.image_id, "archive": f"images/{archive.name}",
                                       "sbom": f"sbom/{stem}.cdx.json", "device": variant.device,
-                                      "sm": variant.resolved.get("sm"),
-                                      "min_driver": variant.resolved.get("min_driver"),
+                                      "sm": variant.resolved.sm,
+                                      "min_driver": variant.resolved.min_driver,
                                       "smoke": smoke})
         index["models"] = _export_models([record for _, record, _ in variants], state, root, log)
         for name, source in (("report.json", state.reports / "latest.json"),

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -18,6 +19,9 @@ from rich.table import Table
 
 from . import __version__
 from .errors import ConfigError, IncompatibleError, MoptError
+
+if TYPE_CHECKING:  # the CLI imports its commands' modules when they run
+    from .plan import Resolved
 
 stderr = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 stdout = Console(highlight=False, soft_wrap=True, emoji=False)
@@ -125,12 +129,12 @@ def cli() -> None:
     """Build GPU inference images from a version matrix: plan, render, build, test, publish."""
 
 
-def _min_driver_cell(resolved: dict, brand: str | None) -> str:
+def _min_driver_cell(resolved: Resolved, brand: str | None) -> str:
     """The minimum driver; on a GPU that forward compatibility serves, also the older branches it admits."""
     from .compat import knowledge_base
 
-    floor = resolved.get("min_driver") or "-"
-    fwd = resolved.get("forward_compat") or {}
+    floor = resolved.min_driver or "-"
+    fwd = resolved.forward_compat or {}
     kinds = knowledge_base().data["cuda"]["forward_compatibility"]["kinds"]
     older = [b for b in fwd.get("branches", []) if floor != "-" and b < int(floor.split(".")[0])]
     if brand and kinds.get(brand) == "yes" and older:
@@ -148,8 +152,8 @@ def _plan_markdown(result, choices, brand: str | None = None) -> str:
     for v in result.variants:
         r, choice = v.resolved, choices[v.id]
         model = choice.source.text + (" (substitute)" if choice.substituted else "")
-        lines.append("| " + " | ".join(cell(x) for x in (v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-",
-                                                        r.get("backend_version"), r.get("torch") or "-",
+        lines.append("| " + " | ".join(cell(x) for x in (v.id, v.backend, r.cuda or "-", r.sm or "-",
+                                                        r.backend_version, r.torch or "-",
                                                         _min_driver_cell(r, brand), model)) + " |")
     if result.rejected:
         lines += ["", f"### {len(result.rejected)} rejected", "", "| would be | why |", "| --- | --- |"]
@@ -187,8 +191,8 @@ def plan(matrix_path: str, select: tuple[str, ...], fmt: str, models: str, gpu_b
         table.add_column(column, no_wrap=True)
     for v in result.variants:
         r = v.resolved
-        table.add_row(v.id, v.backend, r.get("cuda") or "-", r.get("sm") or "-", str(r.get("backend_version")),
-                      r.get("torch") or "-", _min_driver_cell(r, brand))
+        table.add_row(v.id, v.backend, r.cuda or "-", r.sm or "-", r.backend_version, r.torch or "-",
+                      _min_driver_cell(r, brand))
     stdout.print(table)
     substituted = {v.image: choices[v.id] for v in result.variants if choices[v.id].substituted}
     for image, choice in substituted.items():
@@ -321,10 +325,10 @@ def matrix_cmd(matrix_path: str, select: tuple[str, ...], github: bool) -> None:
     include = []
     for v in result.variants:
         kind = "gpu" if v.device == "cuda" else "cpu"
-        labels = [label.replace("{sm}", v.resolved.get("sm") or "") for label in matrix.runners[kind]]
+        labels = [label.replace("{sm}", v.resolved.sm or "") for label in matrix.runners[kind]]
         include.append({"id": v.id, "image": v.image, "tag": v.tag, "long_tag": v.long_tag,
-                        "backend": v.backend, "device": v.device, "cuda": v.resolved.get("cuda") or "",
-                        "sm": v.resolved.get("sm") or "", "runner": labels})
+                        "backend": v.backend, "device": v.device, "cuda": v.resolved.cuda or "",
+                        "sm": v.resolved.sm or "", "runner": labels})
     click.echo(json.dumps({"include": include}, separators=(",", ":")))
 
 

@@ -71,6 +71,9 @@ class Combo:
     torch: str | None = None
     python: str | None = None
     gpu_brand: str | None = None     # datacenter | workstation | consumer | embedded; None: unknown
+    # The image has no CUDA of its own (a plain Debian base): CUDA's libraries come from torch's and
+    # vLLM's PyPI wheels, and PyPI carries one CUDA build of each release.
+    cuda_from_pypi: bool = False
 
 
 GPU_BRANDS = ("datacenter", "workstation", "consumer", "embedded")
@@ -509,6 +512,7 @@ class _Ctx:
         self.warnings: list[str] = []
         self.notes: list[str] = []
         self.resolved: dict[str, Any] = {}
+        self.cuda_from_pypi = False
 
     def reject(self, msg: str) -> None:
         if msg not in self.reasons:
@@ -628,7 +632,10 @@ def _check_vllm(ctx: _Ctx, combo: Combo, cuda: str | None) -> None:
         w = wheel[0]
         ctx.resolved["vllm_wheel_cuda"] = w["cuda"]
         built = [w["cuda"], *w.get("variants", [])]
-        if cuda and major_minor(cuda) not in built:
+        if ctx.cuda_from_pypi and cuda and major_minor(cuda) != w["cuda"]:
+            ctx.reject(f"on a base without CUDA, vLLM and CUDA's libraries come from PyPI, whose vLLM {ver} wheels "
+                       f"are built for CUDA {w['cuda']}, not {major_minor(cuda)} {ctx.kb.source_text(w)}.")
+        elif cuda and major_minor(cuda) not in built:
             ctx.warn(f"vLLM {ver}'s PyPI wheels are built for CUDA {', '.join(built)}, not CUDA {cuda}; "
                      f"the image needs a vLLM/torch build matching CUDA {cuda} {ctx.kb.source_text(w)}.")
 
@@ -818,10 +825,16 @@ def _check_torch(ctx: _Ctx, torch: str, explicit: bool, cuda: str | None, sm: st
     if row is None:
         return
     ctx.resolved["torch_default_cuda"] = row["default_cuda"]
+    ctx.resolved["torch_default_cuda_full"] = row.get("default_cuda_full")
     if not cuda:
         return
     src = kb.source_text(row)
     mm = major_minor(cuda)
+    if ctx.cuda_from_pypi and mm != row["default_cuda"]:
+        ctx.fact(row, f"on a base without CUDA, torch and CUDA's libraries come from PyPI, whose torch {torch} is "
+                      f"built for CUDA {row['default_cuda']}, not {mm} (its other CUDA builds are on "
+                      f"download.pytorch.org; a base with CUDA, such as nvidia-cuda, installs from there) {src}.",
+                 soft=soft)
     built = sorted({row["default_cuda"], *row["cuda_variants"]}, key=release)
     if mm not in built:
         if _variants_confirmed(row):
@@ -964,6 +977,7 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     """Check one combination against the knowledge base. ConfigError for malformed input."""
     kb = kb or knowledge_base()
     ctx = _Ctx(kb)
+    ctx.cuda_from_pypi = combo.cuda_from_pypi
     cuda = normalize_cuda(combo.cuda) if combo.cuda is not None else None
     sm = normalize_sm(combo.sm) if combo.sm is not None else None
     driver = normalize_driver(combo.driver) if combo.driver is not None else None
@@ -971,7 +985,8 @@ def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     if combo.gpu_brand is not None and combo.gpu_brand not in GPU_BRANDS:
         raise ConfigError(f"GPU brand {combo.gpu_brand!r}: expected one of {', '.join(GPU_BRANDS)}")
     combo = Combo(cuda=cuda, sm=sm, driver=driver, tensorrt=combo.tensorrt, tensorrt_llm=combo.tensorrt_llm,
-                  vllm=combo.vllm, torch=combo.torch, python=combo.python, gpu_brand=combo.gpu_brand)
+                  vllm=combo.vllm, torch=combo.torch, python=combo.python, gpu_brand=combo.gpu_brand,
+                  cuda_from_pypi=combo.cuda_from_pypi)
     ctx.resolved.update({"cuda": cuda, "sm": sm, "driver": driver, "tensorrt": combo.tensorrt,
                          "tensorrt_llm": combo.tensorrt_llm, "vllm": combo.vllm, "torch": combo.torch,
                          "python": combo.python, "gpu_brand": combo.gpu_brand, "cc": sm_to_cc(sm) if sm else None,

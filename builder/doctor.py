@@ -288,8 +288,7 @@ class Candidate:
 
     @classmethod
     def of_variant(cls, v) -> Candidate:
-        return cls(v.tag, v.flavour, v.device, v.resolved.get("sm"), v.resolved.get("cuda"),
-                   v.resolved.get("min_driver"))
+        return cls(v.tag, v.flavour, v.device, v.resolved.sm, v.resolved.cuda, v.resolved.min_driver)
 
     @classmethod
     def of_labels(cls, tag: str, labels: dict[str, str]) -> Candidate | None:

@@ -89,9 +89,8 @@ def lock_entry(lock: dict, lock_path: Path, variant: Variant, render_dir: Path) 
 def partial_entry(variant: Variant, base: dict, why: str) -> dict:
     """What can be pinned without the runtime image: the versions the plan resolved and the base reference;
     `missing` says what is not pinned and why. A locked build refuses it (lock_entry)."""
-    resolved = variant.resolved
-    pins = {name: resolved[name] for name in ("python", "cuda", "torch", "tensorrt", "tensorrt_llm", "vllm")
-            if resolved.get(name)}
+    pins = {name: getattr(variant.resolved, name) for name in ("python", "cuda", "torch", "tensorrt", "tensorrt_llm",
+                                                              "vllm") if getattr(variant.resolved, name)}
     missing = ["the Python packages' hashes and the Debian package versions: the runtime image was not built "
                f"here ({why})"]
     if base.get("kind") == "image" and not base.get("image_id"):
@@ -118,10 +117,13 @@ def lock_runtime(docker: DockerCli, runtime_image: str, wheelhouse: list[Path], 
     return {"python": python["python"], "debian": sorted(debian)}
 
 
-def write_lock(path: Path, entries: dict, previous: dict | None, models: dict | None = None) -> dict:
+def write_lock(path: Path, entries: dict, previous: dict | None, models: dict | None = None,
+               current: frozenset[str] | None = None) -> dict:
     """Merge ENTRIES into the lock; a partial entry never replaces a complete one (locked on a host that
-    could build that runtime)."""
-    runtimes = dict((previous or {}).get("runtimes", {}))
+    could build that runtime). CURRENT: the keys the matrix renders now; a previous entry under any other
+    key pins a runtime no variant builds any more (a changed template or pin) and is dropped."""
+    runtimes = {key: entry for key, entry in (previous or {}).get("runtimes", {}).items()
+                if current is None or key in current}
     for key, entry in entries.items():
         if entry.get("missing") and key in runtimes and not runtimes[key].get("missing"):
             continue
@@ -168,8 +170,8 @@ def make_lock(builder, variants, path: Path, log: Log = print) -> dict:
         if key in entries:
             entries[key]["variants"].append(variant.id)
             continue
-        spec = matrix.bases[variant.resolved["base"]["name"]]
-        base: dict = {"name": spec.name, "kind": spec.kind, "ref": variant.resolved["base"]["ref"]}
+        spec = matrix.bases[variant.resolved.base.name]
+        base: dict = {"name": spec.name, "kind": spec.kind, "ref": variant.resolved.base.ref}
         try:
             made = builder.runtime(variant)
             if spec.kind == "rootfs":
@@ -198,5 +200,10 @@ def make_lock(builder, variants, path: Path, log: Log = print) -> dict:
             continue
         if pin is not None:
             models[pin[0]] = pin[1]
-    written = write_lock(path, entries, previous, models)
+    current = frozenset(lock_key(builder.render(v)[1]) for v in builder.all_variants)
+    stale = sorted(set((previous or {}).get("runtimes", {})) - current - set(entries))
+    if stale:
+        log(f"dropped {len(stale)} stale runtimes (no variant of the matrix renders them now): "
+            + ", ".join(key[:12] for key in stale))
+    written = write_lock(path, entries, previous, models, current | set(entries))
     return {key: written[key] for key in entries}

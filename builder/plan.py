@@ -9,7 +9,8 @@ import fnmatch
 import itertools
 import re
 import string
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from functools import cache
 
 from packaging.version import Version
@@ -25,6 +26,86 @@ _DOCKER_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 
 @dataclass(frozen=True)
+class Axes:
+    """The values a variant was made from (crossed, fixed or picked), one field per axis of axes.AXES;
+    None where the flavour does not use the axis."""
+    cuda: str | None = None
+    sm: str | None = None
+    driver: str | None = None
+    tensorrt: str | None = None
+    tensorrt_llm: str | None = None
+    vllm: str | None = None
+    torch: str | None = None
+    python: str | None = None
+    base: str | None = None
+
+    @classmethod
+    def of(cls, values: Mapping) -> Axes:
+        return cls(**{axis: values.get(axis) for axis in AXES})
+
+    def to_json(self) -> dict:
+        """The axes this variant uses, in AXES order."""
+        return {axis: getattr(self, axis) for axis in AXES if getattr(self, axis) is not None}
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """What a variant's base stage starts from."""
+    name: str  # the matrix's bases entry
+    kind: str  # "image": a reference pulled or present; "rootfs": a Debian rootfs built here (mmdebstrap)
+    ref: str   # the image reference, or the local name the rootfs is imported as
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Everything a variant's templates, labels, lock and guard read, derived once by the plan: the axes'
+    values with what the compatibility knowledge base implies from them (compat.check), the base, the
+    backend's version and the NVIDIA_REQUIRE_CUDA constraint."""
+    python: str
+    base: BaseImage
+    backend_version: str  # the version of the flavour's backend (its backend's version axis)
+    runtime_source: str   # pypi | nvidia-index: where the runtime's packages come from
+    cuda: str | None = None
+    cuda_major: int | None = None
+    sm: str | None = None
+    cc: str | None = None            # compute capability of sm ("9.0")
+    driver: str | None = None
+    gpu_brand: str | None = None
+    tensorrt: str | None = None      # a version, or a range where a TensorRT-LLM pin implies it
+    tensorrt_llm: str | None = None
+    vllm: str | None = None
+    torch: str | None = None
+    min_driver: str | None = None    # the driver floor of this CUDA (and GPU arch)
+    min_driver_mvc: str | None = None  # the floor under minor-version compatibility, where it applies
+    require_cuda: str | None = None  # NVIDIA_REQUIRE_CUDA
+    driver_path: str | None = None   # native | forward | none: how the given driver runs this CUDA
+    forward_compat: Mapping | None = None  # compat.forward_compat(): the cuda-compat package, path, branches
+    cuda_implied: bool = False       # CUDA came from the TensorRT-LLM pin, not the axes
+    tensorrt_implied: bool = False   # TensorRT came from the TensorRT-LLM pin
+    torch_from: str | None = None    # tensorrt_llm | vllm: whose pin chose torch
+    torch_spec_tensorrt_llm: str | None = None
+    torch_default_cuda: str | None = None  # the CUDA of torch's default PyPI build
+    torch_default_cuda_full: str | None = None  # its exact CUDA release (the cuda-toolkit wheels torch pins)
+    vllm_wheel_cuda: str | None = None     # the CUDA of vLLM's PyPI wheels
+    sm_renamed_to: str | None = None
+
+    @classmethod
+    def of(cls, facts: Mapping, **derived) -> Resolved:
+        """The record from compat.check's resolved facts plus what the plan derives; a fact this record does
+        not declare is a programming error here, not a key some reader may miss."""
+        unknown = sorted(set(facts) - _RESOLVED_FIELDS)
+        if unknown:
+            raise TypeError(f"compat.check resolved {', '.join(unknown)}, which plan.Resolved does not declare")
+        return cls(**{**facts, **derived})
+
+    def to_json(self) -> dict:
+        return {f.name: (vars(self.base) if f.name == "base" else getattr(self, f.name)) for f in fields(self)}
+
+
+_RESOLVED_FIELDS = frozenset(f.name for f in fields(Resolved))
+
+
+@dataclass(frozen=True)
 class Variant:
     id: str
     image: str
@@ -34,8 +115,8 @@ class Variant:
     repository: str  # namespace/image
     tag: str
     long_tag: str
-    axes: dict  # the values this variant was made from (crossed, fixed, picked)
-    resolved: dict  # everything derived: torch, min_driver, cc, base, require_cuda, backend_version ...
+    axes: Axes
+    resolved: Resolved
     warnings: tuple[str, ...] = ()
 
     @property
@@ -45,7 +126,7 @@ class Variant:
     def to_json(self) -> dict:
         return {"id": self.id, "image": self.image, "flavour": self.flavour, "backend": self.backend,
                 "device": self.device, "repository": self.repository, "tag": self.tag,
-                "tags": list(self.tags), "axes": self.axes, "resolved": self.resolved,
+                "tags": list(self.tags), "axes": self.axes.to_json(), "resolved": self.resolved.to_json(),
                 "warnings": list(self.warnings)}
 
 
@@ -54,11 +135,11 @@ class Rejected:
     id: str
     image: str
     flavour: str
-    axes: dict
+    axes: Axes
     reasons: tuple[str, ...]
 
     def to_json(self) -> dict:
-        return {"id": self.id, "image": self.image, "flavour": self.flavour, "axes": self.axes,
+        return {"id": self.id, "image": self.image, "flavour": self.flavour, "axes": self.axes.to_json(),
                 "reasons": list(self.reasons)}
 
 
@@ -81,8 +162,15 @@ def _check(combo: compat.Combo) -> compat.Verdict:
     return compat.check(combo)
 
 
-def _combo(values: dict) -> compat.Combo:
-    return compat.Combo(**{k: values.get(k) for k in COMBO_AXES}, gpu_brand=values.get("gpu_brand"))
+def _combo(values: dict, cuda_from_pypi: bool) -> compat.Combo:
+    return compat.Combo(**{k: values.get(k) for k in COMBO_AXES}, gpu_brand=values.get("gpu_brand"),
+                        cuda_from_pypi=cuda_from_pypi)
+
+
+def cuda_from_pypi(matrix: Matrix, device: str, base: str) -> bool:
+    """A CUDA variant on a base without CUDA (a plain Debian rootfs): torch's and vLLM's PyPI wheels bring
+    CUDA's libraries, and nothing else does."""
+    return device == "cuda" and not matrix.bases[base].has_cuda
 
 
 def _expand(flavour: Flavour) -> list[dict]:
@@ -104,12 +192,13 @@ def _pick_newest(matrix: Matrix, flavour: Flavour, combo: dict) -> tuple[list[st
 
     A value the knowledge base confirms beats a newer one it only warns about (UNCONFIRMED rows).
     """
-    verdict = _check(_combo(combo))
+    from_pypi = cuda_from_pypi(matrix, flavour.device, combo["base"])
+    verdict = _check(_combo(combo, from_pypi))
     if not verdict.compatible:
         return list(verdict.reasons), verdict  # nothing to pick can fix the crossed axes
     for axis in flavour.newest:
         candidates = sorted(matrix.axes[axis], key=Version, reverse=True)
-        verdicts = [(value, _check(_combo(combo | {axis: value}))) for value in candidates]
+        verdicts = [(value, _check(_combo(combo | {axis: value}, from_pypi))) for value in candidates]
         compatible = [(value, v) for value, v in verdicts if v.compatible]
         if not compatible:
             reasons = dict.fromkeys(r for _, v in verdicts for r in v.reasons)
@@ -147,15 +236,15 @@ def _default_long_tag(short: str, values: dict) -> str:
     return "-".join(parts) + f"-b{values['build_id']}"
 
 
-def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Verdict) -> tuple[dict, list[str]]:
-    """Everything a template, label or guard needs, derived once here."""
+def _resolve(matrix: Matrix, flavour: Flavour, values: dict,
+             verdict: compat.Verdict) -> tuple[Resolved | None, list[str]]:
+    """Everything a template, label or guard needs, derived once here; None with the reasons where the
+    combination cannot be built."""
     reasons = []
-    resolved = dict(verdict.resolved)  # compat.check keeps every given value and adds what it implies
     base = matrix.bases[values["base"]]
     python = values.get("python") or base.python
     if python != base.python:
         reasons.append(f"base {base.name} ships Python {base.python}, not {python}")
-    resolved["python"] = python
     if base.kind == "image":
         ref = base.ref
         if "{cuda_tag}" in ref:
@@ -165,19 +254,30 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Ver
                                f"(cuda_tags: {', '.join(base.cuda_tags)})")
                 cuda_tag = ""
             ref = ref.replace("{cuda_tag}", cuda_tag)
-        resolved["base"] = {"name": base.name, "kind": "image", "ref": ref}
+        base_image = BaseImage(name=base.name, kind="image", ref=ref)
     else:
-        resolved["base"] = {"name": base.name, "kind": "rootfs", "ref": base.image}
+        base_image = BaseImage(name=base.name, kind="rootfs", ref=base.image)
     if flavour.device == "cpu" and base.has_cuda:
         reasons.append(f"base {base.name} is a CUDA image; a cpu flavour needs a plain base")
-    backend_axis = backend(flavour.backend).version_axis  # its value is "the backend's version" in labels
-    resolved["backend_version"] = resolved.get(backend_axis)
-    if not resolved["backend_version"]:
+    spec = backend(flavour.backend)
+    if cuda_from_pypi(matrix, flavour.device, base.name):
+        cuda = verdict.resolved.get("cuda")
+        if spec.cuda_from_pypi_min is None:
+            reasons.append(f"backend {spec.name} cannot build on base {base.name}, which has no CUDA of its own: "
+                           f"{spec.cuda_from_pypi_why}")
+        elif cuda and Version(cuda) < Version(spec.cuda_from_pypi_min):
+            reasons.append(f"backend {spec.name} builds on a base without CUDA from CUDA "
+                           f"{spec.cuda_from_pypi_min} on, not {cuda}: {spec.cuda_from_pypi_why}")
+    backend_axis = spec.version_axis  # its value is "the backend's version" in labels
+    backend_version = verdict.resolved.get(backend_axis)  # compat.check keeps every given value, adds implied
+    if not backend_version:
         reasons.append(f"backend {flavour.backend} needs a {backend_axis} version: cross, set or pick it")
-    if flavour.device == "cuda" and values.get("cuda"):
-        resolved["require_cuda"] = compat.require_cuda_env(values["cuda"])
-    resolved["runtime_source"] = flavour.runtime_source
-    return resolved, reasons
+    if reasons:
+        return None, reasons
+    require_cuda = (compat.require_cuda_env(values["cuda"]) if flavour.device == "cuda" and values.get("cuda")
+                    else None)
+    return Resolved.of(verdict.resolved, python=python, base=base_image, backend_version=backend_version,
+                       require_cuda=require_cuda, runtime_source=flavour.runtime_source), []
 
 
 def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour,
@@ -187,17 +287,17 @@ def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour,
     for combo in combos:
         values = dict(combo) | ({"gpu_brand": gpu_brand} if gpu_brand else {})
         reasons, verdict = _pick_newest(matrix, flavour, values)
-        resolved = {}
+        resolved = None
         if not reasons:
             resolved, reasons = _resolve(matrix, flavour, values, verdict)
-        tag_values = _tag_values(matrix, entry.name, flavour, values | {"torch": resolved.get("torch")})
+        tag_values = _tag_values(matrix, entry.name, flavour, values | {"torch": resolved and resolved.torch})
         where = f"images.{entry.name}.flavours.{flavour.name}"
-        axes = {axis: values[axis] for axis in AXES if values.get(axis) is not None}
+        axes = Axes.of(values)
         if reasons:
             try:
                 would_be = _format_tag(flavour.tag, tag_values, where + ".tag")
             except ConfigError:
-                would_be = "-".join(f"{k}{v}" for k, v in axes.items())
+                would_be = "-".join(f"{k}{v}" for k, v in axes.to_json().items())
             rejected.append(Rejected(id=f"{entry.name}:{would_be}", image=entry.name, flavour=flavour.name,
                                      axes=axes, reasons=tuple(reasons)))
             continue
@@ -233,7 +333,8 @@ def make_plan(matrix: Matrix, select: tuple[str, ...] = (), gpu_brand: str | Non
             if other is not None:
                 raise ConfigError(
                     f"two variants would publish the same tag {key} (flavours {other.flavour} and "
-                    f"{variant.flavour}, axes {other.axes} and {variant.axes}); make the tag templates differ",
+                    f"{variant.flavour}, axes {other.axes.to_json()} and {variant.axes.to_json()}); "
+                    "make the tag templates differ",
                     key=f"images.{variant.image}.flavours.{variant.flavour}.tag")
             seen[key] = variant
     if select:

@@ -183,8 +183,8 @@ def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, step
     _say(f"{len(plan.variants)} variants to {' -> '.join(steps)}")
     for variant in plan.variants:
         row = VariantReport(id=variant.id, image=variant.image, flavour=variant.flavour, tag=variant.tag,
-                            long_tag=variant.long_tag, cuda=variant.resolved.get("cuda") or "",
-                            sm=variant.resolved.get("sm") or "")
+                            long_tag=variant.long_tag, cuda=variant.resolved.cuda or "",
+                            sm=variant.resolved.sm or "")
         report.variants.append(row)
         step = ""
         try:

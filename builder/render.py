@@ -18,7 +18,7 @@ from .backends import backend, backends
 from .errors import ConfigError
 from .hashing import dump_json, sha256_text, tree_digest
 from .matrix import Matrix
-from .plan import Variant
+from .plan import Variant, cuda_from_pypi
 from .runtime.errors import RuntimeToolError  # the contract (builder/runtime/params.py and what it raises):
 from .runtime.params import PARAMS_FILE, EngineParams  # torch-free, the host's only imports of the runtime
 
@@ -57,22 +57,24 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
     entry = matrix.image(variant.image)
     recipe = entry.recipe
     resolved = variant.resolved
-    cuda = resolved.get("cuda")
+    cuda = resolved.cuda
     data = defaults()
     spec = backend(variant.backend)
     packages = list(data["runtime_packages"]) + list(spec.runtime_packages)
     cuda_nodot = cuda.replace(".", "") if cuda else ""
     indexes = {k: v.replace("{cuda_nodot}", cuda_nodot) for k, v in data["indexes"].items()}
+    from_pypi = cuda_from_pypi(matrix, variant.device, resolved.base.name)
     return {
         "id": variant.id, "image": variant.image, "flavour": variant.flavour, "backend": variant.backend,
         "compile_options": spec.compile_options, "verify": spec.verify,
         "engine_holds_weights": spec.engine_holds_weights,
         "device": variant.device, "repository": variant.repository, "tag": variant.tag,
-        "long_tag": variant.long_tag, "resolved": resolved, "python": resolved["python"],
-        "base": resolved["base"], "cuda_nodot": cuda_nodot, "cuda_major": cuda.split(".")[0] if cuda else "",
-        "torch_cuda_nodot": cuda_nodot, "runtime_source": resolved.get("runtime_source", "pypi"),
-        "indexes": indexes, "torch_args": _torch_args(variant, indexes, cuda_nodot),
-        "serving_prune": data["serving_prune"], "serving_only": False,  # render_variant sets it
+        "long_tag": variant.long_tag, "resolved": resolved, "python": resolved.python,
+        "base": resolved.base, "cuda_nodot": cuda_nodot, "cuda_major": cuda.split(".")[0] if cuda else "",
+        "runtime_source": resolved.runtime_source,
+        "indexes": indexes, "torch_args": _torch_args(variant, indexes, cuda_nodot, from_pypi),
+        "cuda_from_pypi": from_pypi,
+        "serving_prune": data["serving_prune"],
         "packages": packages, "vllm_cpu_remove": data["vllm_cpu_remove"], "user": data["user"],
         "paths": data["paths"], "mounts": MOUNTS, "engine": recipe.engine,
         "precision": recipe.precision_for(variant.device), "pooling": recipe.pooling,
@@ -90,19 +92,24 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "packed": _packed(variant, recipe, spec),
         # A CUDA image on NVIDIA's base carries the cuda-compat package, loaded at start only on an
         # older driver (forward compatibility, data-center GPUs).
-        "forward_compat": (resolved.get("forward_compat") if variant.device == "cuda"
-                           and matrix.bases[resolved["base"]["name"]].has_cuda else None),
+        "forward_compat": (resolved.forward_compat if variant.device == "cuda"
+                           and matrix.bases[resolved.base.name].has_cuda else None),
     }
 
 
-def _torch_args(variant: Variant, indexes: dict, cuda_nodot: str) -> list[str]:
-    """pip's arguments for the variant's torch: the +cpu build (a wheelhouse's, PyPI has none), or a CUDA
-    build from PyTorch's CUDA index as the only index (no dependency confusion between two indexes)."""
-    torch = variant.resolved.get("torch")
+def _torch_args(variant: Variant, indexes: dict, cuda_nodot: str, from_pypi: bool) -> list[str]:
+    """pip's arguments for the variant's torch: the +cpu build (a wheelhouse's, PyPI has none); on a base
+    without CUDA, PyPI's own build, which brings CUDA's libraries as nvidia-* wheels (the plan checked that
+    its CUDA is the variant's); else a CUDA build from PyTorch's CUDA index as the only index (no
+    dependency confusion between two indexes)."""
+    torch = variant.resolved.torch
     if not torch:
         return []
     if variant.device == "cpu":
         return [f"torch=={torch}+cpu"]
+    if from_pypi:
+        # === (exactly this version string): ==2.13.0 also matches 2.13.0+cpu, which a wheelhouse may hold
+        return [f"torch==={torch}"]
     return ["--index-url", indexes["pytorch_cuda"], f"torch=={torch}+cu{cuda_nodot}"]
 
 
@@ -204,10 +211,9 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
                    siblings: tuple[Variant, ...] = ()) -> RenderedVariant:
     """siblings: every planned variant of the same image and flavour (the guard names their tags)."""
     env = _environment(templates)
-    context = _context(matrix, variant)
     toolchain = toolchain_template(templates, variant.backend)
     # A backend that compiles in a toolchain stage serves from a runtime without what only the compile needs.
-    context["serving_only"] = bool(toolchain)
+    context = _context(matrix, variant) | {"serving_only": bool(toolchain)}
     entry = matrix.image(variant.image)
     recipe = entry.recipe
     files = {
@@ -221,10 +227,10 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         files["Dockerfile.toolchain"] = _render_template(env, toolchain, context)
     # The guard names the tag that fits a host's GPU: same image, flavour and CUDA, other sm.
     same_flavour = [v for v in (*siblings, variant) if v.image == variant.image and v.flavour == variant.flavour
-                    and v.resolved.get("cuda") == variant.resolved.get("cuda")]
+                    and v.resolved.cuda == variant.resolved.cuda]
     image_info = {"repository": variant.repository, "tag": variant.tag, "long_tag": variant.long_tag,
                   "tag_template": next(f.tag for f in entry.flavours if f.name == variant.flavour),
-                  "tags_by_sm": {v.resolved["sm"]: v.tag for v in same_flavour if v.resolved.get("sm")}}
+                  "tags_by_sm": {v.resolved.sm: v.tag for v in same_flavour if v.resolved.sm}}
     files["image-info.json"] = dump_json(image_info)
     files["smoke-inputs.json"] = dump_json(list(recipe.smoke_inputs))
     files[PARAMS_FILE] = dump_json(engine_params(variant, context).to_dict())
@@ -247,8 +253,8 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         "long_tag": variant.long_tag,
         "backend": variant.backend,
         "device": variant.device,
-        "axes": variant.axes,
-        "resolved": variant.resolved,
+        "axes": variant.axes.to_json(),
+        "resolved": variant.resolved.to_json(),
         "recipe": {"path": str(recipe.path.relative_to(matrix.path.parent.resolve()))
                    if recipe.path.is_relative_to(matrix.path.parent.resolve()) else str(recipe.path),
                    "digest": recipe.digest},
@@ -264,8 +270,8 @@ def render_variant(matrix: Matrix, variant: Variant, templates: Path, runtime_di
         "context": {"mopt_runtime": runtime_digest},
         # Render-time keys; the build folds in the digests of parents it actually used.
         "stages": [
-            {"name": "base", "file": "Dockerfile.base", "from": variant.resolved["base"]["ref"],
-             "base_kind": variant.resolved["base"]["kind"], "key": base_key},
+            {"name": "base", "file": "Dockerfile.base", "from": variant.resolved.base.ref,
+             "base_kind": variant.resolved.base.kind, "key": base_key},
             {"name": "runtime", "file": "Dockerfile.runtime", "parent": "base", "context": ["mopt_runtime"],
              "key": runtime_key},
             *([{"name": "toolchain", "file": "Dockerfile.toolchain", "parent": "runtime", "key": toolchain_key}]

@@ -68,9 +68,10 @@ def provenance(variant: Variant, record: VariantRecord, state: StateDir, lock_fi
     internal = {"engine_sha256": record.engine_sha256}
     if engine_json.is_file():
         internal["engine_json_sha256"] = _sha256_file(engine_json)
+    external = {"variant": variant.id, "matrix_entry": variant.resolved.to_json(), "backend": variant.backend,
+                "device": variant.device}
     return {"buildDefinition": {"buildType": BUILD_TYPE,
-                                "externalParameters": {"variant": variant.id, "matrix_entry": dict(variant.resolved),
-                                                       "backend": variant.backend, "device": variant.device},
+                                "externalParameters": external,
                                 "internalParameters": internal,
                                 "resolvedDependencies": dependencies},
             "runDetails": {"builder": {"id": f"https://mopt.dev/mopt@{__version__}", "version": {"mopt": __version__}},

@@ -95,7 +95,8 @@ def _environment(data: dict, facts: HostFacts) -> list[str]:
     if data["device"] == "cuda":
         built = sm_label(data["target_sm"], data.get("gpu_name"))
         if facts.sm is None:
-            diffs.append(f"engine built for {built} but this host has no usable CUDA GPU")
+            why = f" ({facts.gpu_problem})" if facts.gpu_problem else ""
+            diffs.append(f"engine built for {built} but this host has no usable CUDA GPU{why}")
         elif facts.sm != str(data["target_sm"]):
             diffs.append(f"engine built for {built} but this host's GPU is "
                          f"{sm_label(facts.sm, facts.gpu_name)}")

@@ -1,6 +1,7 @@
 """Facts about the running host that an engine depends on; used by compile and by the guard."""
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ class HostFacts:
     sm: str | None  # compute capability of GPU 0 as "90", or None without a usable GPU
     gpu_name: str | None
     driver: str | None
+    gpu_problem: str | None = None  # why there is no usable GPU, where that was looked into (host_facts)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,9 +66,40 @@ def _driver_version() -> str | None:
 def host_facts() -> HostFacts:
     import torch
 
-    sm = name = driver = None
+    sm = name = driver = problem = None
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(0)
         sm, name, driver = f"{major}{minor}", torch.cuda.get_device_name(0), _driver_version()
+    else:
+        problem = gpu_problem(torch.version.cuda)
     return HostFacts(torch=torch.__version__, cuda=torch.version.cuda, tensorrt=_tensorrt_version(),
-                     sm=sm, gpu_name=name, driver=driver)
+                     sm=sm, gpu_name=name, driver=driver, gpu_problem=problem)
+
+
+# cuInit's answers worth naming (CUDA driver API, cuda.h CUresult).
+_CU_INIT_ERRORS = {
+    35: "the NVIDIA driver is older than this image's CUDA needs (CUDA_ERROR_INSUFFICIENT_DRIVER)",
+    100: "the NVIDIA driver is loaded but no GPU is visible to this container (CUDA_ERROR_NO_DEVICE): "
+         "check --gpus and NVIDIA_VISIBLE_DEVICES",
+    999: "the NVIDIA driver failed to initialise (CUDA_ERROR_UNKNOWN): see the host's dmesg and nvidia-smi",
+}
+
+
+def gpu_problem(cuda: str | None, load=ctypes.CDLL) -> str:
+    """Why torch sees no GPU, in words a user can act on: a CPU build, no driver in the container (the
+    NVIDIA container toolkit mounts libcuda.so.1 only into a container started with GPUs), or what the
+    driver's cuInit answered."""
+    if not cuda:
+        return "this image's torch is a CPU build"
+    try:
+        libcuda = load("libcuda.so.1")
+    except OSError:
+        return ("no NVIDIA driver in this container (libcuda.so.1 not found): start it with --gpus all on a host "
+                "with the NVIDIA driver and the NVIDIA container toolkit")
+    try:
+        code = int(libcuda.cuInit(0))
+    except Exception as exc:  # an unusual libcuda: say what happened, not a traceback
+        return f"the NVIDIA driver's cuInit could not be called ({type(exc).__name__})"
+    if code == 0:
+        return "the NVIDIA driver initialised, but torch found no usable GPU"
+    return _CU_INIT_ERRORS.get(code, f"the NVIDIA driver's cuInit failed with CUresult {code}")

@@ -961,9 +961,12 @@ def test_the_plan_picks_the_newest_vllm_the_python_allows():
     from builder.plan import make_plan
 
     plan = make_plan(load_matrix("matrix.yaml"))
-    cu130_vllm = [v for v in plan.variants if v.backend == "vllm" and v.resolved.get("cuda") == "13.0"]
-    assert len(cu130_vllm) == 6 and {v.resolved["vllm"] for v in cu130_vllm} == {"0.26.0"}
-    assert {v.resolved["vllm"] for v in plan.variants if v.backend == "vllm" and v.device == "cpu"} == {"0.32.0"}
+    cu130_vllm = [v for v in plan.variants if v.flavour == "vllm" and v.resolved.cuda == "13.0"]
+    assert len(cu130_vllm) == 6 and {v.resolved.vllm for v in cu130_vllm} == {"0.26.0"}
+    # The Debian line's base has Python 3.11: vLLM 0.32.0 (torch 2.13.0, CUDA 13.0) is its newest.
+    debian = [v for v in plan.variants if v.flavour == "vllm-debian"]
+    assert len(debian) == 6 and {(v.resolved.vllm, v.resolved.python) for v in debian} == {("0.32.0", "3.11")}
+    assert {v.resolved.vllm for v in plan.variants if v.backend == "vllm" and v.device == "cpu"} == {"0.32.0"}
 
 
 def test_drops_are_validated():

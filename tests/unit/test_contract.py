@@ -132,10 +132,10 @@ def test_forward_compat_is_rendered_only_for_a_cuda_variant_on_a_cuda_base(plann
     import dataclasses
 
     matrix, variants = planned
-    variant = next(v for v in variants if v.device == "cuda" and v.resolved.get("forward_compat")
-                   and matrix.bases[v.resolved["base"]["name"]].has_cuda)
-    assert _context(matrix, variant)["forward_compat"] == variant.resolved["forward_compat"]
+    variant = next(v for v in variants if v.device == "cuda" and v.resolved.forward_compat
+                   and matrix.bases[v.resolved.base.name].has_cuda)
+    assert _context(matrix, variant)["forward_compat"] == variant.resolved.forward_compat
     plain = next(name for name, base in matrix.bases.items() if not base.has_cuda)
-    other = dataclasses.replace(variant, resolved={**variant.resolved,
-                                                   "base": {**variant.resolved["base"], "name": plain}})
+    other = dataclasses.replace(variant, resolved=dataclasses.replace(
+        variant.resolved, base=dataclasses.replace(variant.resolved.base, name=plain)))
     assert _context(matrix, other)["forward_compat"] is None

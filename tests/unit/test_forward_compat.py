@@ -483,7 +483,7 @@ def test_make_plan_checks_every_variant_for_the_gpu_brand_given():
     matrix = load_matrix(REPO / "matrix.yaml")
     (given,) = make_plan(matrix, ("qwen3-embed:cu128-sm90",), "datacenter").variants
     (plain,) = make_plan(matrix, ("qwen3-embed:cu128-sm90",)).variants
-    assert (given.resolved["gpu_brand"], plain.resolved["gpu_brand"]) == ("datacenter", None)
+    assert (given.resolved.gpu_brand, plain.resolved.gpu_brand) == ("datacenter", None)
 
 
 # ------------------------------------------------------------------------------ the host as pick sees it, in process

@@ -8,11 +8,12 @@ import pytest
 
 from builder.errors import ConfigError
 from builder.lock import lock_entry, lock_key, partial_entry, read_lock, requirements_text, write_lock
-from builder.plan import Variant
+from builder.plan import Axes, BaseImage, Resolved, Variant
 
 VARIANT = Variant(id="minilm-embed:cpu", image="minilm-embed", flavour="embed", backend="torch-inductor",
-                  device="cpu", repository="mopt/minilm-embed", tag="cpu", long_tag="1.0.0-cpu", axes={},
-                  resolved={})
+                  device="cpu", repository="mopt/minilm-embed", tag="cpu", long_tag="1.0.0-cpu", axes=Axes(),
+                  resolved=Resolved(python="3.11", base=BaseImage("debian12", "rootfs", "mopt/base:debian12"),
+                                    backend_version="2.13.0", runtime_source="pypi", torch="2.13.0"))
 RENDERED = {"Dockerfile.base": "FROM debian:bookworm-slim\n", "Dockerfile.runtime": "FROM base\nRUN pip install x\n",
             "Dockerfile.compile": "FROM runtime\n", "Dockerfile": "FROM compiled\n", "compile.sh": "#!/bin/sh\n",
             "requirements.txt": "x==1\n"}
@@ -141,6 +142,16 @@ def test_write_lock_merges_with_the_previous_runtimes(tmp_path):
     assert path.read_text() == json.dumps(read_lock(path), indent=2, sort_keys=True) + "\n"
 
 
+def test_write_lock_drops_runtimes_no_variant_renders_now(tmp_path):
+    """A changed template or pin moves a variant's runtime to a new key: the old entry pins nothing that is
+    built any more, and a lock that kept it would grow with every change."""
+    path = tmp_path / "mopt.lock.json"
+    current, stale, new = "1" * 64, "2" * 64, "3" * 64
+    previous = {"schema": 1, "runtimes": {current: {"python": ["a==1"]}, stale: {"python": ["b==1"]}}}
+    write_lock(path, {new: {"python": ["c==1"]}}, previous, current=frozenset({current, new}))
+    assert read_lock(path)["runtimes"] == {current: {"python": ["a==1"]}, new: {"python": ["c==1"]}}
+
+
 @pytest.mark.parametrize("previous", [None, {}, {"schema": 1, "runtimes": {}}])
 def test_write_lock_without_previous_runtimes(tmp_path, previous):
     path = tmp_path / "mopt.lock.json"
@@ -172,9 +183,10 @@ def test_requirements_text_is_one_pinned_line_each(python, text):
 # --------------------------------------------------------------------------- partial entries (not buildable here)
 CUDA_VARIANT = Variant(
     id="qwen3-embed:cu121-sm86", image="qwen3-embed", flavour="embed", backend="tensorrt", device="cuda",
-    repository="mopt/qwen3-embed", tag="cu121-sm86", long_tag="x", axes={},
-    resolved={"python": "3.10", "cuda": "12.1", "torch": "2.5.1", "tensorrt": "10.14.1", "tensorrt_llm": None,
-              "vllm": None, "sm": "86"})
+    repository="mopt/qwen3-embed", tag="cu121-sm86", long_tag="x", axes=Axes(),
+    resolved=Resolved(python="3.10", base=BaseImage("nvidia-cuda", "image", "nvidia/cuda:12.1.1-runtime-ubuntu22.04"),
+                      backend_version="10.14.1", runtime_source="pypi", cuda="12.1", torch="2.5.1",
+                      tensorrt="10.14.1", sm="86"))
 CUDA_BASE = {"name": "nvidia-cuda", "kind": "image", "ref": "nvidia/cuda:12.1.1-runtime-ubuntu22.04"}
 
 
@@ -226,8 +238,10 @@ def test_a_partial_entry_never_replaces_a_complete_one(tmp_path):
 ])
 def test_a_partial_entry_pins_each_backend_version(backend_pins, expected):
     variant = Variant(id="x:cu128", image="x", flavour="f", backend="b", device="cuda", repository="mopt/x",
-                      tag="cu128", long_tag="l", axes={},
-                      resolved={"python": "3.10", "cuda": "12.8", "torch": "2.8.0", **backend_pins})
+                      tag="cu128", long_tag="l", axes=Axes(),
+                      resolved=Resolved.of(backend_pins, python="3.10", cuda="12.8", torch="2.8.0",
+                                           base=BaseImage("nvidia-cuda", "image", "nvidia/cuda:x"),
+                                           backend_version="v", runtime_source="pypi"))
     entry = partial_entry(variant, dict(CUDA_BASE), "no registry")
     assert entry["pins"] == {"python": "3.10", "cuda": "12.8", "torch": "2.8.0", **expected}
     assert entry["base"] == CUDA_BASE  # the base reference, for the host that completes the lock

@@ -39,25 +39,25 @@ def test_tags_and_resolved(repo):
     v = next(v for v in plan.variants if v.id == "qwen3-embed:cu121-sm86")
     assert v.tag == "cu121-sm86" and v.repository == "mopt/qwen3-embed"
     assert v.long_tag.startswith("cu121-sm86-cuda12.1-trt") and v.long_tag.endswith("-b1")
-    assert v.resolved["min_driver"] == "530.30.02"
-    assert v.resolved["require_cuda"].startswith("cuda>=12.1")
-    assert v.resolved["backend_version"] == v.resolved["tensorrt"]
+    assert v.resolved.min_driver == "530.30.02"
+    assert v.resolved.require_cuda.startswith("cuda>=12.1")
+    assert v.resolved.backend_version == v.resolved.tensorrt
     cpu = next(v for v in plan.variants if v.id == "qwen3-embed:cpu")
-    assert cpu.tag == "cpu" and "cuda" not in cpu.axes and cpu.resolved["torch"] == "2.13.0"
+    assert cpu.tag == "cpu" and cpu.axes.cuda is None and cpu.resolved.torch == "2.13.0"
 
 
 def test_vllm_torch_resolved_from_pin(repo):
     plan = shipped_plan(repo)
     v = next(v for v in plan.variants if v.id == "qwen3-embed:cu128-sm90-vllm")
     # vLLM 0.11.0 pins torch 2.8.0 (PyPI requires_dist); vLLM 0.26's wheels are CUDA 13 builds.
-    assert (v.resolved["vllm"], v.resolved["torch"]) == ("0.11.0", "2.8.0")
+    assert (v.resolved.vllm, v.resolved.torch) == ("0.11.0", "2.8.0")
 
 
 def test_newest_pick_prefers_confirmed(repo):
     plan = shipped_plan(repo)
     v = next(v for v in plan.variants if v.id == "qwen3-embed:cu121-sm86")
     # torch 2.13's CUDA 12.1 build is UNCONFIRMED; 2.5.1 has a confirmed cu121 build.
-    assert v.resolved["torch"] == "2.5.1"
+    assert v.resolved.torch == "2.5.1"
 
 
 def test_exclude_and_include(workdir):
@@ -75,7 +75,7 @@ def test_exclude_and_include(workdir):
 def test_driver_floor_rejects(workdir):
     plan = make_plan(load_matrix(edit(workdir, lambda d: d["images"]["qwen3-embed"]["flavours"]["tensorrt"]
                                       ["set"].__setitem__("driver", "535"))))
-    cuda = {v.resolved["cuda"] for v in plan.variants if v.flavour == "tensorrt"}
+    cuda = {v.resolved.cuda for v in plan.variants if v.flavour == "tensorrt"}
     assert cuda == {"12.1"}
     reason = next(r for r in plan.rejected if r.id == "qwen3-embed:cu124-sm86").reasons[0]
     assert "550.54.14" in reason and "cuda>=12.4" in reason
@@ -128,3 +128,38 @@ def test_large_matrix_plans(workdir):
     assert plan.combinations >= 1000
     assert len(plan.variants) + len(plan.rejected) == plan.combinations
     assert any("driver" in reason for r in plan.rejected for reason in r.reasons)
+
+
+def test_variants_carry_typed_records_one_field_per_axis(repo):
+    """Axes declares exactly the matrix's axes, in their order; every variant's records read by attribute and
+    serialise to the plan's JSON (the base as an object)."""
+    import dataclasses
+
+    from builder.axes import AXES
+    from builder.plan import Axes, BaseImage, Resolved
+
+    assert tuple(f.name for f in dataclasses.fields(Axes)) == AXES
+    plan = shipped_plan(repo)
+    for v in plan.variants:
+        assert isinstance(v.axes, Axes) and isinstance(v.resolved, Resolved)
+        assert isinstance(v.resolved.base, BaseImage) and v.resolved.backend_version
+        data = v.to_json()
+        assert data["resolved"]["base"] == {"name": v.resolved.base.name, "kind": v.resolved.base.kind,
+                                            "ref": v.resolved.base.ref}
+        assert data["axes"] == {axis: getattr(v.axes, axis) for axis in AXES if getattr(v.axes, axis) is not None}
+    aot = next(v for v in plan.variants if v.id == "qwen3-embed:cu130-sm90-aot")
+    assert (aot.axes.cuda, aot.axes.sm, aot.resolved.cc, aot.resolved.require_cuda.split()[0]) == (
+        "13.0", "90", "9.0", "cuda>=13.0")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        aot.resolved.torch = "0"  # type: ignore[misc]
+
+
+def test_a_fact_the_record_does_not_declare_is_an_error_not_a_silent_key():
+    from builder.plan import BaseImage, Resolved
+
+    base = BaseImage("debian12", "rootfs", "mopt/base:debian12")
+    with pytest.raises(TypeError, match="torch_flavour"):
+        Resolved.of({"torch": "2.13.0", "torch_flavour": "cpu"}, python="3.11", base=base,
+                    backend_version="2.13.0", runtime_source="pypi")
+    assert Resolved.of({"torch": "2.13.0"}, python="3.11", base=base, backend_version="2.13.0",
+                       runtime_source="pypi").torch == "2.13.0"

@@ -10,15 +10,22 @@ import pytest
 from builder import compat
 from builder.errors import ConfigError
 from builder.matrix import load_matrix
-from builder.plan import Plan, _default_long_tag, make_plan
+from builder.plan import BaseImage, Plan, _default_long_tag, make_plan
 from tests.unit.test_matrix_rules import CPU, MINI, NV_BASE, edited, write
 
-GPU_SET = "        set:\n          base: deb\n        tag: \"cu"
+# The gpu flavour on a base with CUDA (a torch-aot engine on a plain Debian base takes CUDA from PyPI
+# alone, which this small matrix's CUDA 12 lines cannot: test_cuda_from_pypi below).
+PLAN_MINI = edited(MINI, ("  base: [deb]\n", "  base: [deb, cu]\n"),
+                   ("images:\n", "  cu:\n    kind: image\n    ref: acme/cuda:12\n    has_cuda: true\n"
+                                  "    python: \"3.11\"\nimages:\n"),
+                   ("        set:\n          base: deb\n        tag: \"cu",
+                    "        set:\n          base: cu\n        tag: \"cu"))
+GPU_SET = "        set:\n          base: cu\n        tag: \"cu"
 CPU_TAG = "        tag: cpu\n"
 
 
 def plan_of(workdir: Path, *edits: tuple[str, str], select: tuple[str, ...] = ()) -> Plan:
-    return make_plan(load_matrix(write(workdir, edited(MINI, *edits))), select)
+    return make_plan(load_matrix(write(workdir, edited(PLAN_MINI, *edits))), select)
 
 
 def plan_error(workdir: Path, *edits: tuple[str, str], select: tuple[str, ...] = ()) -> str:
@@ -41,15 +48,16 @@ def test_mini_plan(workdir):
     gpu, cpu = plan.variants[0], plan.variants[-1]
     assert (gpu.image, gpu.flavour, gpu.backend, gpu.device, gpu.repository, gpu.tag) == (
         "minilm-embed", "gpu", "torch-aot", "cuda", "acme/minilm-embed", "cu124-sm80")
-    assert gpu.axes == {"cuda": "12.4", "sm": "80", "torch": "2.6.0", "base": "deb"}
-    assert list(gpu.axes) == ["cuda", "sm", "torch", "base"]  # AXES order
+    assert gpu.axes.to_json() == {"cuda": "12.4", "sm": "80", "torch": "2.6.0", "base": "cu"}
+    assert list(gpu.axes.to_json()) == ["cuda", "sm", "torch", "base"]  # AXES order
     r = gpu.resolved
-    assert (r["cuda"], r["sm"], r["torch"], r["python"], r["backend_version"], r["runtime_source"]) == (
+    assert (r.cuda, r.sm, r.torch, r.python, r.backend_version, r.runtime_source) == (
         "12.4", "80", "2.6.0", "3.11", "2.6.0", "pypi")
-    assert r["base"] == {"name": "deb", "kind": "rootfs", "ref": "acme/base:deb"}
-    assert r["require_cuda"] == compat.require_cuda_env("12.4")
-    assert cpu.axes == {"torch": "2.7.1", "base": "deb"} and cpu.device == "cpu"
-    assert "require_cuda" not in cpu.resolved and cpu.resolved["python"] == "3.11"
+    assert r.base == BaseImage(name="cu", kind="image", ref="acme/cuda:12")
+    assert r.require_cuda == compat.require_cuda_env("12.4")
+    assert cpu.axes.to_json() == {"torch": "2.7.1", "base": "deb"} and cpu.device == "cpu"
+    assert cpu.resolved.base == BaseImage(name="deb", kind="rootfs", ref="acme/base:deb")
+    assert cpu.resolved.require_cuda is None and cpu.resolved.python == "3.11"
 
 
 def test_json_of_a_plan(workdir):
@@ -64,13 +72,14 @@ def test_json_of_a_plan(workdir):
     assert data == {
         "variants": [{"id": x.id, "image": "minilm-embed", "flavour": x.flavour, "backend": "torch-aot",
                       "device": x.device, "repository": "acme/minilm-embed", "tag": x.tag, "tags": [x.tag, x.long_tag],
-                      "axes": x.axes, "resolved": x.resolved, "warnings": list(x.warnings)} for x in (v, cpu)],
+                      "axes": x.axes.to_json(), "resolved": x.resolved.to_json(), "warnings": list(x.warnings)}
+                     for x in (v, cpu)],
         "rejected": [{"id": "minilm-embed:cu125-sm120", "image": "minilm-embed", "flavour": "gpu",
-                      "axes": {"cuda": "12.5", "sm": "120", "base": "deb"}, "reasons": list(r.reasons)}],
+                      "axes": {"cuda": "12.5", "sm": "120", "base": "cu"}, "reasons": list(r.reasons)}],
         "combinations": 3,
         "warnings": list(v.warnings),
     }
-    assert (v.id, v.resolved["torch"]) == ("minilm-embed:cu125-sm80", "2.13.0")
+    assert (v.id, v.resolved.torch) == ("minilm-embed:cu125-sm80", "2.13.0")
     assert r.reasons and all("12.8" in reason or "120" in reason for reason in r.reasons)
 
 
@@ -88,9 +97,9 @@ def test_no_newest_value_fits(workdir):
     candidates = ("2.11.0", "2.9.0", "2.7.1")  # newest first, by version
     why = dict.fromkeys(reason for t in candidates
                         for reason in compat.check(compat.Combo(cuda="12.1", sm="80", torch=t)).reasons)
-    assert [(r.id, r.flavour, r.axes) for r in plan.rejected] == [
-        ("minilm-embed:cu121-sm80", "gpu", {"cuda": "12.1", "sm": "80", "base": "deb"}),
-        ("minilm-embed:cu121-sm90", "gpu", {"cuda": "12.1", "sm": "90", "base": "deb"}),
+    assert [(r.id, r.flavour, r.axes.to_json()) for r in plan.rejected] == [
+        ("minilm-embed:cu121-sm80", "gpu", {"cuda": "12.1", "sm": "80", "base": "cu"}),
+        ("minilm-embed:cu121-sm90", "gpu", {"cuda": "12.1", "sm": "90", "base": "cu"}),
     ]
     assert plan.rejected[0].reasons == (f"no torch in axes.torch ({', '.join(candidates)}) fits: " + " ".join(why),)
 
@@ -100,7 +109,7 @@ def test_rejected_id_when_the_tag_cannot_be_formed(workdir):
     plan = plan_of(workdir, ('cuda: ["12.4", "12.8"]', 'cuda: ["12.1"]'), ("sm: [80, 90]", "sm: [80]"),
                    ('torch: ["2.6.0", "2.7.1"]', 'torch: ["2.9.0", "2.7.1"]'),
                    ('tag: "cu{cuda_nodot}-sm{sm}"', 'tag: "cu{cuda_nodot}-sm{sm}-t{torch}"'))
-    assert [r.id for r in plan.rejected] == ["minilm-embed:cuda12.1-sm80-basedeb"]
+    assert [r.id for r in plan.rejected] == ["minilm-embed:cuda12.1-sm80-basecu"]
 
 
 def test_default_long_tag_names_every_version():
@@ -115,7 +124,7 @@ def test_default_long_tag_in_a_plan(workdir):
                    ('  python: ["3.11"]\n', '  python: ["3.11"]\n  driver: ["570"]\n  vllm: ["0.32.0"]\n'
                                            '  torch: ["2.13.0"]\n'),
                    ('  torch: ["2.6.0", "2.7.1"]\n', ""),
-                   (GPU_SET, "        set:\n          base: deb\n          python: '3.11'\n          driver: '570'\n"
+                   (GPU_SET, "        set:\n          base: cu\n          python: '3.11'\n          driver: '570'\n"
                              "        tag: \"cu"),
                    ("cuda: [\"12.4\", \"12.8\"]", "cuda: [\"12.8\"]"), ("sm: [80, 90]", "sm: [90]"),
                    ('torch: "2.7.1"\n        tag: cpu\n', 'vllm: "0.32.0"\n          python: "3.11"\n'
@@ -152,12 +161,12 @@ def test_tag_variables(workdir):
     # Two flavours, one tag: the second flavour's tag is named.
     ((("tag: cpu\n", "tag: cu124-sm80\n"),),
      f"{CPU}.tag: two variants would publish the same tag minilm-embed:cu124-sm80 (flavours gpu and cpu, axes "
-     "{'cuda': '12.4', 'sm': '80', 'torch': '2.6.0', 'base': 'deb'} and {'torch': '2.7.1', 'base': 'deb'}); "
+     "{'cuda': '12.4', 'sm': '80', 'torch': '2.6.0', 'base': 'cu'} and {'torch': '2.7.1', 'base': 'deb'}); "
      "make the tag templates differ"),
     # A long tag counts too.
     ((("tag: cpu\n", "tag: cpu\n        long_tag: cu128-sm90\n"),),
      f"{CPU}.tag: two variants would publish the same tag minilm-embed:cu128-sm90 (flavours gpu and cpu, axes "
-     "{'cuda': '12.8', 'sm': '90', 'torch': '2.7.1', 'base': 'deb'} and {'torch': '2.7.1', 'base': 'deb'}); "
+     "{'cuda': '12.8', 'sm': '90', 'torch': '2.7.1', 'base': 'cu'} and {'torch': '2.7.1', 'base': 'deb'}); "
      "make the tag templates differ"),
 ])
 def test_tag_errors(workdir, edits, message):
@@ -172,12 +181,12 @@ def test_explicit_long_tag_may_be_long(workdir):
 def test_image_base_refs_and_reasons(workdir):
     plan = plan_of(workdir, ("bases:\n", "bases:\n" + NV_BASE + "    has_cuda: true\n"
                                          "    cuda_tags: {'12.4': 12.4.1-runtime, '12.6': 12.6.3-runtime}\n"),
-                   ("  base: [deb]", "  base: [deb, nv]"), ('  python: ["3.11"]', '  python: ["3.11", "3.10"]'),
+                   ("  base: [deb, cu]", "  base: [deb, cu, nv]"), ('  python: ["3.11"]', '  python: ["3.11", "3.10"]'),
                    (GPU_SET, "        set:\n          base: nv\n        tag: \"cu"),
                    ("          base: deb\n          torch", "          base: nv\n          torch"))
     assert [v.id for v in plan.variants] == ["minilm-embed:cu124-sm80", "minilm-embed:cu124-sm90"]
-    assert plan.variants[0].resolved["base"] == {"name": "nv", "kind": "image", "ref": "nvidia/cuda:12.4.1-runtime"}
-    assert plan.variants[0].resolved["python"] == "3.10"  # the base's
+    assert plan.variants[0].resolved.base == BaseImage("nv", "image", "nvidia/cuda:12.4.1-runtime")
+    assert plan.variants[0].resolved.python == "3.10"  # the base's
     assert [(r.id, r.reasons) for r in plan.rejected] == [
         ("minilm-embed:cu128-sm80", ("base nv has no image for CUDA 12.8 (cuda_tags: 12.4, 12.6)",)),
         ("minilm-embed:cu128-sm90", ("base nv has no image for CUDA 12.8 (cuda_tags: 12.4, 12.6)",)),
@@ -195,7 +204,7 @@ def test_backend_version_needed(workdir):
 def test_cuda_flavour_without_cuda_has_no_cuda_requirement(workdir):
     plan = plan_of(workdir, ("          cuda: all\n", ""), ('tag: "cu{cuda_nodot}-sm{sm}"', 'tag: "sm{sm}"'))
     gpu = plan.variants[0]
-    assert gpu.id == "minilm-embed:sm80" and "require_cuda" not in gpu.resolved and gpu.resolved["cuda"] is None
+    assert gpu.id == "minilm-embed:sm80" and gpu.resolved.require_cuda is None and gpu.resolved.cuda is None
 
 
 def test_exclude_then_include(workdir):
@@ -206,7 +215,7 @@ def test_exclude_then_include(workdir):
     assert [v.id for v in plan.variants] == ["minilm-embed:cu124-sm80", "minilm-embed:cu128-sm80",
                                              "minilm-embed:cu128-sm90", "minilm-embed:cpu"]
     assert plan.combinations == 4  # an include already present is not added twice
-    assert plan.variants[2].axes["base"] == "deb"  # an included combination takes the fixed values
+    assert plan.variants[2].axes.base == "cu"  # an included combination takes the fixed values
 
 
 SIX = ("        tag: cpu\n", "        tag: cpu\n      cpu2:\n        backend: torch-aot\n        device: cpu\n"

@@ -12,7 +12,8 @@ from builder.render import render, render_variant
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 GOLDEN_IDS = ["qwen3-embed:cu121-sm86", "qwen3-embed:cu128-sm90-vllm", "qwen3-embed:cu130-sm90-aot",
-              "qwen3-embed:cpu", "minilm-embed:cpu", "qwen3-chat:cu130-sm90-trtllm", "minilm-embed:cpu-vllm"]
+              "qwen3-embed:cpu", "minilm-embed:cpu", "qwen3-chat:cu130-sm90-trtllm", "minilm-embed:cpu-vllm",
+              "qwen3-embed:cu130-sm90-aot-debian", "qwen3-embed:cu130-sm90-vllm-debian"]
 FIXED_RUNTIME_DIGEST = "0" * 64  # golden files must not change whenever the runtime code does
 
 

@@ -57,17 +57,17 @@ def test_context_of_a_cuda_variant(planned):
     assert {k: ctx[k] for k in ("id", "image", "flavour", "backend", "device", "repository", "tag", "long_tag")} == {
         "id": variant.id, "image": "qwen3-embed", "flavour": "aot", "backend": "torch-aot", "device": "cuda",
         "repository": variant.repository, "tag": "cu128-sm90-aot", "long_tag": variant.long_tag}
-    assert (ctx["cuda_nodot"], ctx["cuda_major"], ctx["torch_cuda_nodot"]) == ("128", "12", "128")
+    assert (ctx["cuda_nodot"], ctx["cuda_major"]) == ("128", "12")
     # {cuda_nodot} in data/defaults.yaml's indexes is filled per variant; other indexes are left alone
     assert ctx["indexes"] == {"nvidia": "https://pypi.nvidia.com", "pytorch_cuda": "https://download.pytorch.org/whl/cu128"}
     assert ctx["mounts"] == {"model": "/opt/mopt/model", "inputs": "/mopt/inputs", "out": "/mopt/out"}
-    assert ctx["runtime_source"] == "pypi" and ctx["python"] == variant.resolved["python"]
+    assert ctx["runtime_source"] == "pypi" and ctx["python"] == variant.resolved.python
 
 
 def test_context_of_a_cpu_variant(planned):
     matrix, variants = planned
     ctx = render_mod._context(matrix, _variant(variants, "minilm-embed:cpu"))
-    assert (ctx["cuda_nodot"], ctx["cuda_major"], ctx["torch_cuda_nodot"]) == ("", "", "")
+    assert (ctx["cuda_nodot"], ctx["cuda_major"]) == ("", "")
     assert ctx["image"] == "minilm-embed" and ctx["device"] == "cpu"
     assert ctx["source_date_epoch"] == 1735689600     # matrix.yaml's debian12 rootfs
 
@@ -106,7 +106,7 @@ def test_manifest_contents(planned, tmp_path):
         ("base", "Dockerfile.base", None), ("runtime", "Dockerfile.runtime", "base"),
         ("compile", "compile.sh", "runtime"), ("final", "Dockerfile.final", "runtime")]
     base, runtime, compile_, final = m["stages"]
-    assert (base["from"], base["base_kind"]) == (variant.resolved["base"]["ref"], variant.resolved["base"]["kind"])
+    assert (base["from"], base["base_kind"]) == (variant.resolved.base.ref, variant.resolved.base.kind)
     assert runtime["context"] == ["mopt_runtime"] and compile_["gpu"] is True
     # each key hashes the stage's own text with its parent's key
     assert base["key"] == sha256_text("base", rendered.files["Dockerfile.base"])
