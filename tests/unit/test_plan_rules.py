@@ -14,7 +14,7 @@ from builder.plan import BaseImage, Plan, _default_long_tag, make_plan
 from tests.unit.test_matrix_rules import CPU, MINI, NV_BASE, edited, write
 
 # The gpu flavour on a base with CUDA (a torch-aot engine on a plain Debian base takes CUDA from PyPI
-# alone, which this small matrix's CUDA 12 lines cannot: test_cuda_from_pypi below).
+# alone, which this small matrix's CUDA 12 lines cannot: test_cuda_from_pypi_plan.py).
 PLAN_MINI = edited(MINI, ("  base: [deb]\n", "  base: [deb, cu]\n"),
                    ("images:\n", "  cu:\n    kind: image\n    ref: acme/cuda:12\n    has_cuda: true\n"
                                   "    python: \"3.11\"\nimages:\n"),
