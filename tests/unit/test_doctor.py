@@ -67,7 +67,8 @@ def test_pick_unknown_image(plan):
     assert exc.value.message == "image 'nope' is not in the matrix (images: minilm-embed, qwen3-chat, qwen3-embed)"
     with pytest.raises(ConfigError) as exc:
         pick(plan, "qwen3-embed", HostFacts(), "nope")
-    assert exc.value.message == "image 'qwen3-embed' has no flavour 'nope' (flavours: aot, aot-debian, cpu, tensorrt, vllm, vllm-debian)"
+    assert exc.value.message == ("image 'qwen3-embed' has no flavour 'nope' (flavours: aot, aot-debian, cpu, "
+                                 "tensorrt, vllm, vllm-debian)")
 
 
 def test_overrides_from_gpu_name_and_sm():
