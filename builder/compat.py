@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -506,13 +506,13 @@ def _sm_cuda_problem(kb: KnowledgeBase, row: Mapping[str, Any], sm: str, cuda: s
 # ------------------------------------------------------------------------------------ check
 
 class _Ctx:
-    def __init__(self, kb: KnowledgeBase):
+    def __init__(self, kb: KnowledgeBase, cuda_from_pypi: bool):
         self.kb = kb
+        self.cuda_from_pypi = cuda_from_pypi
         self.reasons: list[str] = []
         self.warnings: list[str] = []
         self.notes: list[str] = []
         self.resolved: dict[str, Any] = {}
-        self.cuda_from_pypi = False
 
     def reject(self, msg: str) -> None:
         if msg not in self.reasons:
@@ -976,17 +976,14 @@ def _validated_packages(combo: Combo) -> str | None:
 def check(combo: Combo, kb: KnowledgeBase | None = None) -> Verdict:
     """Check one combination against the knowledge base. ConfigError for malformed input."""
     kb = kb or knowledge_base()
-    ctx = _Ctx(kb)
-    ctx.cuda_from_pypi = combo.cuda_from_pypi
+    ctx = _Ctx(kb, combo.cuda_from_pypi)
     cuda = normalize_cuda(combo.cuda) if combo.cuda is not None else None
     sm = normalize_sm(combo.sm) if combo.sm is not None else None
     driver = normalize_driver(combo.driver) if combo.driver is not None else None
     cuda = cuda or _validated_packages(combo)  # torch 2.9.0+cu128 names its CUDA
     if combo.gpu_brand is not None and combo.gpu_brand not in GPU_BRANDS:
         raise ConfigError(f"GPU brand {combo.gpu_brand!r}: expected one of {', '.join(GPU_BRANDS)}")
-    combo = Combo(cuda=cuda, sm=sm, driver=driver, tensorrt=combo.tensorrt, tensorrt_llm=combo.tensorrt_llm,
-                  vllm=combo.vllm, torch=combo.torch, python=combo.python, gpu_brand=combo.gpu_brand,
-                  cuda_from_pypi=combo.cuda_from_pypi)
+    combo = replace(combo, cuda=cuda, sm=sm, driver=driver)
     ctx.resolved.update({"cuda": cuda, "sm": sm, "driver": driver, "tensorrt": combo.tensorrt,
                          "tensorrt_llm": combo.tensorrt_llm, "vllm": combo.vllm, "torch": combo.torch,
                          "python": combo.python, "gpu_brand": combo.gpu_brand, "cc": sm_to_cc(sm) if sm else None,

@@ -658,7 +658,7 @@ def test_raise_for_incompatible_lists_every_reason():
 
 
 def test_unconfirmed_fact_warning_format():
-    ctx = compat._Ctx(knowledge_base())
+    ctx = compat._Ctx(knowledge_base(), False)
     ctx.fact({"confirmed": False}, "X needs Y.")
     ctx.fact({}, "A needs B.", soft="Softened.")
     ctx.fact({"confirmed": True}, "C needs D.")

@@ -141,3 +141,56 @@ def test_the_toolchain_makes_a_cuda_prefix_of_pypi_wheels(shipped):
     nvidia = _files(shipped, "qwen3-embed:cu130-sm90-aot")["Dockerfile.toolchain"]
     assert "cuda-cudart-dev-13-0" in nvidia and "ENV CUDA_HOME=/usr/local/cuda" in nvidia
     assert "cuda-toolkit[nvcc]" not in nvidia
+
+
+def test_a_torch_that_another_pin_implies_is_only_warned_about():
+    """TensorRT-LLM 1.1 implies torch 2.9.0 (PyPI CUDA 12.8); its releases ship their own torch build, so
+    the rule warns, with the reason, and does not refuse."""
+    verdict = compat.check(compat.Combo(tensorrt_llm="1.1", cuda="13.0", cuda_from_pypi=True))
+    assert verdict.compatible and verdict.resolved["torch_from"] == "tensorrt_llm"
+    (warning,) = [w for w in verdict.warnings if w.startswith("on a base without CUDA")]
+    assert "torch 2.9.0 is built for CUDA 12.8, not 13.0" in warning and "not enforced" in warning
+
+
+def test_compat_resolves_the_exact_cuda_release_torch_pins():
+    for torch, full in (("2.11.0", "13.0.2"), ("2.13.0", "13.0.3"), ("2.9.0", None)):
+        verdict = compat.check(compat.Combo(cuda="13.0", torch=torch, cuda_from_pypi=torch != "2.9.0"))
+        assert verdict.resolved["torch_default_cuda_full"] == full, torch
+
+
+def test_the_plan_passes_the_base_to_the_newest_pick(workdir):
+    """On a base without CUDA the newest torch whose PyPI build is CUDA 12.8 wins (2.9.0); on NVIDIA's base
+    the newest with a confirmed CUDA 12.8 build on PyTorch's index (2.11.0)."""
+    from builder.plan import _combo, _pick_newest
+
+    assert _combo({"cuda": "12.8", "base": "debian12"}, True).cuda_from_pypi is True
+    assert _combo({"cuda": "12.8", "base": "debian12"}, False).cuda_from_pypi is False
+    path = workdir / "matrix.yaml"
+    data = yaml.safe_load(path.read_text())
+    flavour = {"backend": "torch-aot", "device": "cuda", "axes": {"cuda": ["12.8"], "sm": [90]}, "newest": ["torch"],
+               "tag": "cu{cuda_nodot}-sm{sm}-x"}
+    data["images"]["qwen3-embed"]["flavours"] = {
+        "deb": {**flavour, "set": {"base": "debian12", "python": "3.11"}},
+        "nv": {**flavour, "set": {"base": "nvidia-cuda", "python": "3.10"}, "tag": "cu{cuda_nodot}-sm{sm}-y"}}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    matrix = load_matrix(path)
+    picked = {}
+    for f in matrix.image("qwen3-embed").flavours:
+        combo = {"cuda": "12.8", "sm": "90", **f.fixed}
+        reasons, _ = _pick_newest(matrix, f, combo)
+        picked[f.name] = (reasons, combo["torch"])
+    assert picked == {"deb": ([], "2.9.0"), "nv": ([], "2.11.0")}
+    fixed = {"cuda": "13.0", "sm": "90", "base": "debian12", "python": "3.11", "torch": "2.9.0"}
+    deb = next(f for f in matrix.image("qwen3-embed").flavours if f.name == "deb")
+    reasons, _ = _pick_newest(matrix, deb, dict(fixed))
+    assert reasons and reasons[0].startswith("on a base without CUDA, torch and CUDA's libraries come from PyPI")
+
+
+def test_an_undeclared_fact_is_named_exactly():
+    from builder.plan import BaseImage, Resolved
+
+    with pytest.raises(TypeError) as exc:
+        Resolved.of({"b_fact": 1, "a_fact": 2, "torch": "2.11.0"}, python="3.11",
+                    base=BaseImage("debian12", "rootfs", "mopt/base:debian12"), backend_version="2.11.0",
+                    runtime_source="pypi")
+    assert str(exc.value) == "compat.check resolved a_fact, b_fact, which plan.Resolved does not declare"
