@@ -89,8 +89,9 @@ def lock_entry(lock: dict, lock_path: Path, variant: Variant, render_dir: Path) 
 def partial_entry(variant: Variant, base: dict, why: str) -> dict:
     """What can be pinned without the runtime image: the versions the plan resolved and the base reference;
     `missing` says what is not pinned and why. A locked build refuses it (lock_entry)."""
-    pins = {name: getattr(variant.resolved, name) for name in ("python", "cuda", "torch", "tensorrt", "tensorrt_llm",
-                                                              "vllm") if getattr(variant.resolved, name)}
+    resolved = variant.resolved.to_json()
+    pins = {name: resolved[name] for name in ("python", "cuda", "torch", "tensorrt", "tensorrt_llm", "vllm")
+            if resolved[name]}
     missing = ["the Python packages' hashes and the Debian package versions: the runtime image was not built "
                f"here ({why})"]
     if base.get("kind") == "image" and not base.get("image_id"):
@@ -200,10 +201,11 @@ def make_lock(builder, variants, path: Path, log: Log = print) -> dict:
             continue
         if pin is not None:
             models[pin[0]] = pin[1]
-    current = frozenset(lock_key(builder.render(v)[1]) for v in builder.all_variants)
-    stale = sorted(set((previous or {}).get("runtimes", {})) - current - set(entries))
+    current = frozenset(entries) | {lock_key(builder.render(v)[1]) for v in builder.all_variants
+                                    if v not in variants}
+    stale = sorted(set((previous or {}).get("runtimes", {})) - current)
     if stale:
         log(f"dropped {len(stale)} stale runtimes (no variant of the matrix renders them now): "
             + ", ".join(key[:12] for key in stale))
-    written = write_lock(path, entries, previous, models, current | set(entries))
+    written = write_lock(path, entries, previous, models, current)
     return {key: written[key] for key in entries}

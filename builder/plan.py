@@ -10,7 +10,7 @@ import itertools
 import re
 import string
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from functools import cache
 
 from packaging.version import Version
@@ -78,6 +78,7 @@ class Resolved:
     min_driver: str | None = None    # the driver floor of this CUDA (and GPU arch)
     min_driver_mvc: str | None = None  # the floor under minor-version compatibility, where it applies
     require_cuda: str | None = None  # NVIDIA_REQUIRE_CUDA
+    cuda_from_pypi: bool = False     # a CUDA variant on a base without CUDA: CUDA from PyPI wheels alone
     driver_path: str | None = None   # native | forward | none: how the given driver runs this CUDA
     forward_compat: Mapping | None = None  # compat.forward_compat(): the cuda-compat package, path, branches
     cuda_implied: bool = False       # CUDA came from the TensorRT-LLM pin, not the axes
@@ -99,7 +100,7 @@ class Resolved:
         return cls(**{**facts, **derived})
 
     def to_json(self) -> dict:
-        return {f.name: (vars(self.base) if f.name == "base" else getattr(self, f.name)) for f in fields(self)}
+        return asdict(self)
 
 
 _RESOLVED_FIELDS = frozenset(f.name for f in fields(Resolved))
@@ -167,7 +168,7 @@ def _combo(values: dict, cuda_from_pypi: bool) -> compat.Combo:
                         cuda_from_pypi=cuda_from_pypi)
 
 
-def cuda_from_pypi(matrix: Matrix, device: str, base: str) -> bool:
+def _cuda_from_pypi(matrix: Matrix, device: str, base: str) -> bool:
     """A CUDA variant on a base without CUDA (a plain Debian rootfs): torch's and vLLM's PyPI wheels bring
     CUDA's libraries, and nothing else does."""
     return device == "cuda" and not matrix.bases[base].has_cuda
@@ -192,7 +193,7 @@ def _pick_newest(matrix: Matrix, flavour: Flavour, combo: dict) -> tuple[list[st
 
     A value the knowledge base confirms beats a newer one it only warns about (UNCONFIRMED rows).
     """
-    from_pypi = cuda_from_pypi(matrix, flavour.device, combo["base"])
+    from_pypi = _cuda_from_pypi(matrix, flavour.device, combo["base"])
     verdict = _check(_combo(combo, from_pypi))
     if not verdict.compatible:
         return list(verdict.reasons), verdict  # nothing to pick can fix the crossed axes
@@ -260,7 +261,8 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict,
     if flavour.device == "cpu" and base.has_cuda:
         reasons.append(f"base {base.name} is a CUDA image; a cpu flavour needs a plain base")
     spec = backend(flavour.backend)
-    if cuda_from_pypi(matrix, flavour.device, base.name):
+    from_pypi = _cuda_from_pypi(matrix, flavour.device, base.name)
+    if from_pypi:
         cuda = verdict.resolved.get("cuda")
         if spec.cuda_from_pypi_min is None:
             reasons.append(f"backend {spec.name} cannot build on base {base.name}, which has no CUDA of its own: "
@@ -277,7 +279,8 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict,
     require_cuda = (compat.require_cuda_env(values["cuda"]) if flavour.device == "cuda" and values.get("cuda")
                     else None)
     return Resolved.of(verdict.resolved, python=python, base=base_image, backend_version=backend_version,
-                       require_cuda=require_cuda, runtime_source=flavour.runtime_source), []
+                       require_cuda=require_cuda, cuda_from_pypi=from_pypi,
+                       runtime_source=flavour.runtime_source), []
 
 
 def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour,

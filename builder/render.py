@@ -18,7 +18,7 @@ from .backends import backend, backends
 from .errors import ConfigError
 from .hashing import dump_json, sha256_text, tree_digest
 from .matrix import Matrix
-from .plan import Variant, cuda_from_pypi
+from .plan import Variant
 from .runtime.errors import RuntimeToolError  # the contract (builder/runtime/params.py and what it raises):
 from .runtime.params import PARAMS_FILE, EngineParams  # torch-free, the host's only imports of the runtime
 
@@ -63,7 +63,6 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
     packages = list(data["runtime_packages"]) + list(spec.runtime_packages)
     cuda_nodot = cuda.replace(".", "") if cuda else ""
     indexes = {k: v.replace("{cuda_nodot}", cuda_nodot) for k, v in data["indexes"].items()}
-    from_pypi = cuda_from_pypi(matrix, variant.device, resolved.base.name)
     return {
         "id": variant.id, "image": variant.image, "flavour": variant.flavour, "backend": variant.backend,
         "compile_options": spec.compile_options, "verify": spec.verify,
@@ -72,8 +71,8 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
         "long_tag": variant.long_tag, "resolved": resolved, "python": resolved.python,
         "base": resolved.base, "cuda_nodot": cuda_nodot, "cuda_major": cuda.split(".")[0] if cuda else "",
         "runtime_source": resolved.runtime_source,
-        "indexes": indexes, "torch_args": _torch_args(variant, indexes, cuda_nodot, from_pypi),
-        "cuda_from_pypi": from_pypi,
+        "indexes": indexes, "torch_args": _torch_args(variant, indexes, cuda_nodot),
+        "cuda_from_pypi": resolved.cuda_from_pypi,
         "serving_prune": data["serving_prune"],
         "packages": packages, "vllm_cpu_remove": data["vllm_cpu_remove"], "user": data["user"],
         "paths": data["paths"], "mounts": MOUNTS, "engine": recipe.engine,
@@ -97,7 +96,7 @@ def _context(matrix: Matrix, variant: Variant) -> dict:
     }
 
 
-def _torch_args(variant: Variant, indexes: dict, cuda_nodot: str, from_pypi: bool) -> list[str]:
+def _torch_args(variant: Variant, indexes: dict, cuda_nodot: str) -> list[str]:
     """pip's arguments for the variant's torch: the +cpu build (a wheelhouse's, PyPI has none); on a base
     without CUDA, PyPI's own build, which brings CUDA's libraries as nvidia-* wheels (the plan checked that
     its CUDA is the variant's); else a CUDA build from PyTorch's CUDA index as the only index (no
@@ -107,7 +106,7 @@ def _torch_args(variant: Variant, indexes: dict, cuda_nodot: str, from_pypi: boo
         return []
     if variant.device == "cpu":
         return [f"torch=={torch}+cpu"]
-    if from_pypi:
+    if variant.resolved.cuda_from_pypi:
         # === (exactly this version string): ==2.13.0 also matches 2.13.0+cpu, which a wheelhouse may hold
         return [f"torch==={torch}"]
     return ["--index-url", indexes["pytorch_cuda"], f"torch=={torch}+cu{cuda_nodot}"]
