@@ -54,6 +54,7 @@ class Flavour:
     tag: str
     long_tag: str
     runtime_source: str
+    size_budget_gb: float | None = None  # the final image's budget; a release over it fails (imagesize.py)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ def _load_flavour(doc: YamlDocument, axes: dict, bases: dict, image: str, name: 
     return Flavour(
         name=name, backend=raw["backend"], device=raw["device"], crossed=crossed, newest=newest,
         fixed=fixed, include=include, exclude=exclude, tag=raw["tag"],
-        long_tag=long_tag, runtime_source=raw.get("runtime_source", "pypi"),
+        long_tag=long_tag, runtime_source=raw.get("runtime_source", "pypi"), size_budget_gb=raw.get("size_budget_gb"),
     )
 
 

@@ -15,6 +15,7 @@ from .attest.provenance import AttestInputs
 from .build import Builder, BuildOptions
 from .errors import MoptError, PublishError, SmokeTestError
 from .hashing import dump_json, sha256_text
+from .imagesize import GB, check_budget, image_layers
 from .matrix import load_matrix
 from .models import SUBSTITUTE_SUFFIX, image_tags
 from .plan import Variant, make_plan
@@ -155,6 +156,14 @@ def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path |
     return None
 
 
+def _size_check(matrix, variant: Variant, record: VariantRecord, row: VariantReport) -> None:
+    budget = next(f for f in matrix.image(variant.image).flavours if f.name == variant.flavour).size_budget_gb
+    layers = image_layers(record.image_id)
+    row.layers = [asdict(layer) for layer in layers]
+    row.size_budget_bytes = int(budget * GB) if budget else 0
+    check_budget(variant.id, record.size_bytes, budget, layers)
+
+
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                 registry: str | None = None, dry_run: bool = False, fail_fast: bool = False,
                 allow_substitute: bool = False, record_dir: Path | None = None,
@@ -203,6 +212,8 @@ def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, step
                 elif record is None:
                     raise MoptError(f"{variant.id}: not built yet (run mopt build first)")
                 row.built, row.image_id, row.size_bytes = True, record.image_id, record.size_bytes
+                if not row.layers:  # once per variant, at its first step: an image over budget goes no further
+                    _size_check(matrix, variant, record, row)
                 if record.model.substituted:
                     row.tag, row.long_tag = image_tags(variant.tag, variant.long_tag, True)
                     row.substitute = f"{record.model.source} for {record.model.declared}: {record.model.why}"

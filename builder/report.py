@@ -28,6 +28,8 @@ class VariantReport:
     reason: str = ""
     image_id: str = ""
     size_bytes: int = 0
+    size_budget_bytes: int = 0  # 0: the flavour sets no budget
+    layers: list = field(default_factory=list)  # {size_bytes, created_by}, bottom first
     digest: str = ""
     references: list = field(default_factory=list)
     durations: dict = field(default_factory=dict)  # step -> seconds
@@ -35,6 +37,14 @@ class VariantReport:
     smoke: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     substitute: str = ""  # the model inside when it is not the recipe's (tags end in -substitute)
+
+    @property
+    def size_text(self) -> str:
+        """"976 MB", or "976 MB of 1000" against the flavour's budget."""
+        if not self.size_bytes:
+            return "-"
+        return f"{self.size_bytes / 1e6:.0f} MB" + (f" of {self.size_budget_bytes / 1e6:.0f}"
+                                                       if self.size_budget_bytes else "")
 
     @property
     def status(self) -> str:
@@ -79,7 +89,7 @@ class ReleaseReport:
         mark = {True: "yes", False: "-"}
         for v in self.variants:
             d = v.durations
-            size = f"{v.size_bytes / 1e6:.0f} MB" if v.size_bytes else "-"
+            size = v.size_text
             built = mark[v.built] + ("" if v.build_work or not v.built else " (cached)")
             reason = v.reason.replace("|", "\\|").replace("\n", " ")[:200] if v.reason else ""
             lines.append(f"| `{v.id}` | {v.status} | {built} | {mark[v.tested]} | {mark[v.published]} | {size} | "
@@ -88,6 +98,12 @@ class ReleaseReport:
         if substitutes:
             lines += ["", "## substituted models (not the recipe's model; tagged -substitute)", ""]
             lines += [f"- `{vid}`: {' '.join(what.split())}" for vid, what in substitutes]
+        sized = [v for v in self.variants if v.layers]
+        if sized:
+            lines += ["", "## image sizes (the three largest layers)", ""]
+            lines += [f"- `{v.id}`: {v.size_text}; " + "; ".join(
+                f"{layer['size_bytes'] / 1e6:.0f} MB `{layer['created_by'][:70].replace('`', '')}`"
+                for layer in sorted(v.layers, key=lambda layer: -layer["size_bytes"])[:3]) for v in sized]
         notes = [(v.id, note) for v in self.variants for note in v.notes]
         if notes:
             lines += ["", "## notes", ""] + [f"- `{vid}`: {note}" for vid, note in notes]

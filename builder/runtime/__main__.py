@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .cudacompat import reexec_if_needed
-from .errors import RuntimeToolError, UsageError
+from .errors import GuardError, RuntimeToolError, UsageError
 
 # (subcommand, flag) -> the environment variable that gives the flag's default (docs/cli.md lists them).
 ENV_VARS: dict[tuple[str, str], str] = {}
@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("check", help="run the start-up guard only (exit 3 on mismatch)")
     _engine_dir_argument(k, "check")  # H3
 
+    d = sub.add_parser("doctor", help="what serving here would meet: torch, its CUDA, the GPU and driver or why "
+                                      "there is none, the image's CUDA floor, the engine (exit 3 on a problem)")
+    _env_argument(d, "doctor", "--engine-dir", "MOPT_ENGINE_DIR", default=None,
+                  help="engine dir to check against this host, where the image holds one")
+
     s = sub.add_parser("serve", help="guard, then serve POST /v1/embeddings, /health, /metrics")
     _env_argument(s, "serve", "--engine-dir", "MOPT_ENGINE_DIR", default=None,
                   help="engine dir (engine.json + engine/); required unless the variable is set or --model-id "
@@ -331,6 +336,30 @@ def cmd_check(a) -> dict:
             "device": data["device"], "target_sm": data["target_sm"], "engine_sha256": data["engine_sha256"]}
 
 
+def cmd_doctor(a) -> None:
+    """The host as the engine would meet it, as one JSON line on stdout; a problem is also one line on stderr,
+    exit 3. With an engine (engine.json in --engine-dir), the start-up guard decides: it knows the engine's
+    device and arch. Without one, a CUDA build of torch that finds no usable GPU is the problem."""
+    from .guard import resolve
+    from .hostinfo import host_facts
+
+    facts = host_facts()
+    found = {"torch": facts.torch, "torch_cuda": facts.cuda, "gpu": facts.gpu_name, "sm": facts.sm,
+             "driver": facts.driver, "image_requires": os.environ.get("NVIDIA_REQUIRE_CUDA") or None,
+             "engine": None}
+    problem = facts.gpu_problem if facts.cuda and not facts.sm else None
+    if a.engine_dir and (Path(a.engine_dir) / "engine.json").is_file():
+        try:
+            _, data = resolve(a.engine_dir)
+            found["engine"] = {key: data[key] for key in ("backend", "device", "target_sm")}
+            problem = None  # the guard passed: this host serves this engine
+        except GuardError as err:
+            problem = err.message
+    print(json.dumps(found | {"problem": problem}, sort_keys=True), flush=True)
+    if problem:
+        raise GuardError(problem)
+
+
 # The serve flags as HttpOptions.
 def http_options(a):
     """HttpOptions from the serve flags."""
@@ -435,13 +464,14 @@ def cmd_tiny(a) -> dict:
     return {"out": str(out), "seed": a.seed, "model_sha256": sha256_file(out / "model.safetensors")}
 
 
-COMMANDS = {"compile": cmd_compile, "check": cmd_check, "serve": cmd_serve, "warm": cmd_warm,
-            "make-tiny-qwen3": cmd_tiny}
+COMMANDS = {"compile": cmd_compile, "check": cmd_check, "doctor": cmd_doctor, "serve": cmd_serve,
+            "warm": cmd_warm, "make-tiny-qwen3": cmd_tiny}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "check", "warm"):  # before any backend loads libcuda (cudacompat.py says why)
+    # Before any backend loads libcuda (cudacompat.py says why).
+    if args.command in ("serve", "check", "doctor", "warm"):
         reexec_if_needed(None if argv is None else [sys.executable, "-m", __package__ or "mopt_runtime", *argv])
     logging.basicConfig(level=os.environ.get("MOPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

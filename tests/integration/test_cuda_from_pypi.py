@@ -103,6 +103,18 @@ def test_the_guard_without_a_gpu_names_the_missing_driver(docker_cli, stages, tm
            "container (libcuda.so.1 not found): start it with --gpus all" in lines[0]
 
 
+def test_doctor_in_the_image_reports_the_missing_driver(docker_cli, stages):
+    """`doctor` in the real image without a GPU: what it found as JSON, the problem as one line, exit 3."""
+    runtime, _ = stages
+    out = run(docker_cli, runtime, "-m", "mopt_runtime", "doctor", env={"MOPT_ENGINE_DIR": ""})
+    assert out.returncode == 3, out.stdout[-1000:] + out.stderr[-2000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: no NVIDIA driver in this container (libcuda.so.1 not found)"), line
+    found = json.loads(out.stdout)
+    assert (found["torch"], found["torch_cuda"], found["sm"], found["engine"]) == ("2.11.0+cu130", "13.0", None, None)
+    assert found["image_requires"].startswith("cuda>=13.0")
+
+
 def test_the_toolchain_has_a_cuda_prefix_from_pypi(docker_cli, stages):
     """What AOTInductor's CUDA build reads: CUDA_HOME with the runtime headers and nvcc (cuda-toolkit's nvcc
     extra at the release torch pins), and -lcuda pointed at where the toolkit mounts the driver."""

@@ -171,6 +171,29 @@ def test_failed_smoke_test_is_never_published(released, tmp_path):
     assert row["status"] == "failed" and row["failed_step"] == "test" and not row["published"]
 
 
+def test_sizes_and_layers_are_reported_and_an_image_over_its_budget_is_never_published(docker_cli, released,
+                                                                                      tmp_path):
+    _, report = released
+    row = next(v for v in report["variants"] if v["id"] == "minilm-embed:cpu")
+    assert row["size_budget_bytes"] == 1_000_000_000 and 0 < row["size_bytes"] <= row["size_budget_bytes"]
+    # The layers are the daemon's own: they add up to the image's size.
+    assert sum(layer["size_bytes"] for layer in row["layers"]) == row["size_bytes"]
+    assert any("/opt/mopt/engine" in layer["created_by"] for layer in row["layers"]), row["layers"]
+    work = copy_matrix(tmp_path)
+    matrix = yaml.safe_load((work / "matrix.yaml").read_text())
+    matrix["images"]["minilm-embed"]["flavours"]["cpu"]["size_budget_gb"] = 0.5
+    (work / "matrix.yaml").write_text(yaml.safe_dump(matrix, sort_keys=False))
+    with LocalRegistry(tmp_path / "reg", user="ci", password="pw-budget") as reg:
+        reg.login(config_dir=tmp_path / "cfg")
+        result = mopt("release", "--select", "minilm-embed:cpu", "--registry", reg.address, cwd=work,
+                      docker_config=tmp_path / "cfg")
+        assert result.returncode == 4, result.stderr[-2000:]
+        assert "over its flavour's size budget of 0.5 GB" in result.stderr and "Traceback" not in result.stderr
+        assert catalog(reg) == []
+    failed = latest_report()["variants"][0]
+    assert failed["failed_step"] == "build" and not failed["published"] and "largest layers" in failed["reason"]
+
+
 def test_failing_variant_does_not_stop_the_others(released, tmp_path):
     work = copy_matrix(tmp_path)
     matrix = yaml.safe_load((work / "matrix.yaml").read_text())

@@ -158,3 +158,12 @@ def test_non_scalar_key_is_a_config_error(workdir):
     (workdir / "matrix.yaml").write_text("{{}}\n")  # found by the hypothesis fuzzer: a mapping as a key
     with pytest.raises(ConfigError, match="mapping key must be a plain value"):
         load_matrix(workdir / "matrix.yaml")
+
+
+def test_size_budgets_are_read_and_a_bad_one_is_named(repo, workdir):
+    budgets = {(e.name, f.name): f.size_budget_gb for e in load_matrix(repo / "matrix.yaml").images for f in e.flavours}
+    assert budgets[("minilm-embed", "cpu")] == 1.0 and budgets[("qwen3-embed", "aot-debian")] == 6.0
+    assert budgets[("qwen3-embed", "aot")] is None  # not measured: no budget, never checked
+    path = edit(workdir, lambda d: d["images"]["minilm-embed"]["flavours"]["cpu"].__setitem__("size_budget_gb", 0))
+    with pytest.raises(ConfigError, match=r"images.minilm-embed.flavours.cpu.size_budget_gb"):
+        load_matrix(path)

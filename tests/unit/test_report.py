@@ -20,7 +20,11 @@ def sample() -> ReleaseReport:
         VariantReport(id="qwen3-embed:cu128-sm86", image="qwen3-embed", flavour="aot", tag="cu128-sm86", long_tag="x",
                       cuda="12.8", sm="86", built=True, tested=True, published=True, size_bytes=2_500_000_000,
                       digest="sha256:" + "a" * 64, durations={"build": 100.0, "test": 9.5, "publish": 20.0},
-                      build_work=True),
+                      build_work=True, size_budget_bytes=3_000_000_000,
+                      layers=[{"size_bytes": 80_000_000, "created_by": "ADD rootfs.tar /"},
+                              {"size_bytes": 2_000_000_000, "created_by": "RUN pip install torch `x`"},
+                              {"size_bytes": 1_000, "created_by": "COPY params.json /"},
+                              {"size_bytes": 400_000_000, "created_by": "COPY engine /opt/engine"}]),
         VariantReport(id="qwen3-embed:cu128-sm90", image="qwen3-embed", flavour="aot", tag="cu128-sm90", long_tag="y",
                       cuda="12.8", sm="90", built=True, failed_step="test",
                       reason="smoke test failed: <script>alert(1)</script> cosine 0.91 < 0.99"),
@@ -45,6 +49,11 @@ def test_markdown_grid():
     assert "| `qwen3-embed:cu128-sm90` | failed |" in text
     assert "| 12.8 | published | failed |" in text and "| 13.0 | n/a | tested |" in text
     assert "sm_100 was added in CUDA 12.8" in text
+    # Size against the flavour's budget, and the three largest layers, largest first (backticks dropped).
+    assert "| yes | yes | 2500 MB of 3000 | 100.0 |" in text
+    assert ("- `qwen3-embed:cu128-sm86`: 2500 MB of 3000; 2000 MB `RUN pip install torch x`; "
+            "400 MB `COPY engine /opt/engine`; 80 MB `ADD rootfs.tar /`\n") in text
+    assert "| `minilm-embed:cpu` | built | yes (cached) | - | - | - |" in text  # no size known
 
 
 def test_html_is_self_contained_and_escaped():

@@ -148,6 +148,42 @@ def test_check_cli_refuses_tampered(engine, tmp_path, changes, message):
         assert proc.stderr.strip().endswith("pull mopt/minilm:cpu")
 
 
+def test_doctor_reports_the_host_and_the_engine_and_exits_3_on_the_guards_problem(engine, tmp_path):
+    proc = runtime_cli("doctor", "--engine-dir", str(engine[0]))
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    assert found["engine"] == {"backend": "torch-aot", "device": "cpu", "target_sm": None}
+    assert found["problem"] is None and found["torch"] == __import__("torch").__version__
+    out = tampered(engine[0], tmp_path, device="cuda", target_sm="90", gpu_name="NVIDIA H200", cuda="12.8")
+    proc = runtime_cli("doctor", "--engine-dir", str(out))
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "engine built for sm_90 (NVIDIA H200) but this host has no usable CUDA GPU" in line
+    assert json.loads(proc.stdout)["problem"] == line.removeprefix("error: ")
+
+
+def test_doctor_without_an_engine_names_why_a_cuda_torch_has_no_gpu(monkeypatch, capsys):
+    from builder.runtime import __main__ as runtime_main
+    from builder.runtime import hostinfo
+
+    why = "no NVIDIA driver in this container (libcuda.so.1 not found): start it with --gpus all"
+    monkeypatch.setattr(hostinfo, "host_facts", lambda: hostinfo.HostFacts(
+        torch="2.11.0+cu130", cuda="13.0", tensorrt=None, sm=None, gpu_name=None, driver=None, gpu_problem=why))
+    monkeypatch.setenv("NVIDIA_REQUIRE_CUDA", "cuda>=13.0 brand=tesla,driver>=535")
+    monkeypatch.delenv("MOPT_ENGINE_DIR", raising=False)
+    assert runtime_main.main(["doctor"]) == 3
+    out, err = capsys.readouterr()
+    assert err == f"error: {why}\n"
+    assert json.loads(out) == {"torch": "2.11.0+cu130", "torch_cuda": "13.0", "gpu": None, "sm": None, "driver": None,
+                               "image_requires": "cuda>=13.0 brand=tesla,driver>=535", "engine": None, "problem": why}
+    # A CPU build of torch with no engine: nothing to serve on a GPU, no problem.
+    monkeypatch.setattr(hostinfo, "host_facts", lambda: hostinfo.HostFacts(
+        torch="2.13.0+cpu", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None,
+        gpu_problem="this image's torch is a CPU build"))
+    assert runtime_main.main(["doctor"]) == 0
+    assert json.loads(capsys.readouterr().out)["problem"] is None
+
+
 def test_check_cli_refuses_tampered_engine_file(engine, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(engine[0], out)
