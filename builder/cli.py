@@ -792,8 +792,9 @@ def verify_repro_cmd(matrix_path: str, select: str, state_dir: Path, ca_bundle, 
               help="PEM public key of the signer.")
 @format_option
 def verify_cmd(image: str, key_path: Path, fmt: str) -> None:
-    """Check an image's attestations in the registry: an SBOM and a provenance, signed by KEY, for exactly
-    its digest (exit 8 otherwise). Needs the registry only: no transparency log, no other host."""
+    """Check an image's signature and attestations in the registry: an image signature (sigstore/cosign
+    format) for this reference, an SBOM and a provenance, all signed by KEY for exactly its digest (exit 8
+    otherwise). Needs the registry only: no transparency log, no other host."""
     from .attest import dsse
     from .attest.signing import verify
     from .registry.api import RegistryApi
@@ -819,9 +820,10 @@ def verify_cmd(image: str, key_path: Path, fmt: str) -> None:
         api.close()
     if fmt == "json":
         _echo_json({"image": image, "digest": result.digest, "key": result.key_id, "attestations": result.found,
-                    "not_counted": result.rejected})
+                    "not_counted": result.rejected, "signed_for": result.signed_for})
         return
     click.echo(f"{host}/{repo}@{result.digest}: verified with key {result.key_id[:23]}")
+    click.echo(f"  image signature (sigstore/cosign format) for: {', '.join(result.signed_for)}")
     for kind, artifact in sorted(result.found.items()):
         click.echo(f"  {kind}: {artifact}")
     for why in result.rejected:

@@ -89,7 +89,7 @@ def record_file(record_dir: Path, variant_id: str) -> Path:
 
 def _signer(key_path: Path, inputs: dict, log):
     """publish's after_long: sign and attach each published image's SBOM and provenance (attest/)."""
-    from .attest import dsse, referrers
+    from .attest import cosign, dsse, referrers
     from .attest.provenance import CYCLONEDX, SLSA_PROVENANCE
     from .attest.signing import attest
     from .dockerclient import find_docker
@@ -98,6 +98,10 @@ def _signer(key_path: Path, inputs: dict, log):
     docker = find_docker()
 
     def after_long(item, refs, digest, api) -> None:
+        # Before any short tag moves: the image signed for both its tags (cosign's format), then its SBOM
+        # and provenance attached (signing again replaces this key's signatures; another key's stay).
+        cosign.sign(api, refs.repo, digest, [refs.long, refs.short], key)
+        log(f"  signed {refs.long} and {refs.short} = {digest} (sigstore/cosign signature)")
         index = api.manifest(refs.repo, referrers.referrers_tag(digest))
         attached = {e.get("annotations", {}).get(referrers.PREDICATE_ANNOTATION)
                     for e in (index.body.get("manifests", []) if index else [])}

@@ -1,12 +1,21 @@
 """A CycloneDX 1.5 SBOM from the image's own package records: dpkg's database and the Python
 distributions' metadata, read by running the image (no network). Debian packages get the purl of the
 distribution the image is built on (pkg:deb/ubuntu/... on Ubuntu bases, with its distro qualifier),
-read from /etc/os-release."""
+read from /etc/os-release. The document is built and written by cyclonedx-python-lib (its model and its
+JSON outputter for spec 1.5); purls by packageurl-python."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
-from urllib.parse import quote
+import uuid
+
+from cyclonedx.model import Property
+from cyclonedx.model.bom import Bom
+from cyclonedx.model.component import Component, ComponentType
+from cyclonedx.model.tool import Tool
+from cyclonedx.output.json import JsonV1Dot5
+from packageurl import PackageURL
 
 from .. import __version__
 from ..dockerclient import DockerCli, run_docker
@@ -15,7 +24,9 @@ from ..errors import BuildError
 _SEPARATOR = "---mopt-sbom---"
 _LIST_DISTRIBUTIONS = """
 import importlib.metadata, json
-seen = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+seen = {}
+for d in importlib.metadata.distributions():
+    seen.setdefault(d.metadata["Name"], d.version)
 print(json.dumps([{"name": n, "version": v} for n, v in seen.items()]))
 """
 _SCRIPT = (f"cat /etc/os-release 2>/dev/null; echo {_SEPARATOR}; "
@@ -32,32 +43,56 @@ def os_release(text: str) -> dict[str, str]:
     return out
 
 
-def deb_purl(name: str, version: str, arch: str, release: dict[str, str]) -> str:
+def _deb_purl(name: str, version: str, arch: str, release: dict[str, str]) -> PackageURL:
     distro = (release.get("ID") or "debian").lower()
-    purl = f"pkg:deb/{quote(distro)}/{quote(name)}@{quote(version, safe='.-_~')}?arch={quote(arch)}"
+    qualifiers = {"arch": arch}
     if release.get("VERSION_ID"):
-        purl += f"&distro={quote(distro)}-{quote(release['VERSION_ID'], safe='.')}"
-    return purl
+        qualifiers["distro"] = f"{distro}-{release['VERSION_ID']}"
+    return PackageURL(type="deb", namespace=distro, name=name, version=version, qualifiers=qualifiers)
+
+
+def _pypi_purl(name: str, version: str) -> PackageURL:
+    """PEP 503 normalisation: lowercase, each run of -, _ and . one -."""
+    return PackageURL(type="pypi", name=re.sub(r"[-_.]+", "-", name).lower(), version=version)
+
+
+def deb_purl(name: str, version: str, arch: str, release: dict[str, str]) -> str:
+    return _deb_purl(name, version, arch, release).to_string()
 
 
 def pypi_purl(name: str, version: str) -> str:
-    normalized = name.lower().replace("_", "-").replace(".", "-")
-    return f"pkg:pypi/{quote(normalized)}@{quote(version, safe='.-_~')}"
+    return _pypi_purl(name, version).to_string()
 
 
 def document(reference: str, image_id: str, release: dict[str, str], debs: list[tuple[str, str, str]],
              pips: list[dict], note: str = "") -> dict:
-    components = [{"type": "library", "name": name, "version": version, "purl": deb_purl(name, version, arch, release),
-                   "bom-ref": f"deb:{name}"} for name, version, arch in sorted(debs)]
-    components += [{"type": "library", "name": p["name"], "version": p["version"],
-                    "purl": pypi_purl(p["name"], p["version"]), "bom-ref": f"pypi:{p['name'].lower()}"}
-                   for p in sorted(pips, key=lambda p: p["name"].lower())]
-    metadata = {"tools": [{"vendor": "mopt", "name": "mopt", "version": __version__}],
-                "component": {"type": "container", "name": reference, "version": image_id, "bom-ref": image_id}}
+    """The SBOM as a dict (cyclonedx-python-lib's JSON for spec 1.5). The same input gives the same
+    document: the serial number is a UUID5 of the reference and image id, and there is no timestamp.
+    bom-refs are unique, as the library requires (it would rename a repeat at random): a Debian package
+    whose name repeats (multiarch) gets deb:<name>:<arch>; a Python distribution whose normalised name
+    repeats (another site dir) is the one listed first (first on sys.path, the one imported)."""
+    components: dict[str, Component] = {}
+    for name, version, arch in sorted(set(debs)):
+        ref = f"deb:{name}" if f"deb:{name}" not in components else f"deb:{name}:{arch}"
+        components.setdefault(ref, Component(type=ComponentType.LIBRARY, name=name, version=version, bom_ref=ref,
+                                             purl=_deb_purl(name, version, arch, release)))
+    for p in pips:
+        purl = _pypi_purl(p["name"], p["version"])
+        ref = f"pypi:{p['name'].lower()}"
+        components.setdefault(f"pypi:{purl.name}", Component(type=ComponentType.LIBRARY, name=p["name"],
+                                                             version=p["version"], bom_ref=ref, purl=purl))
+    root = Component(type=ComponentType.CONTAINER, name=reference, version=image_id, bom_ref=image_id)
+    bom = Bom(serial_number=uuid.uuid5(uuid.NAMESPACE_URL, f"mopt-sbom:{reference}\n{image_id}"),
+              components=components.values())
+    bom.metadata.timestamp = None
+    bom.metadata.component = root
+    bom.metadata.tools.tools.add(Tool(vendor="mopt", name="mopt", version=__version__))
     if note:
-        metadata["properties"] = [{"name": "mopt:note", "value": note}]
-    return {"bomFormat": "CycloneDX", "specVersion": "1.5", "version": 1, "metadata": metadata,
-            "components": components}
+        bom.metadata.properties.add(Property(name="mopt:note", value=note))
+    bom.register_dependency(root, components.values())
+    doc = json.loads(JsonV1Dot5(bom).output_as_string())
+    doc.setdefault("components", [])  # the library leaves an empty list out; readers look for it
+    return doc
 
 
 def sbom(docker: DockerCli, image_id: str, reference: str) -> dict:

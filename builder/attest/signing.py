@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from ..dockerclient import DockerCli
 from ..errors import PublishError, VerificationFailed
 from ..registry.api import RegistryApi
-from . import dsse, referrers
+from . import cosign, dsse, referrers
 from .provenance import CYCLONEDX, SLSA_PROVENANCE, AttestInputs, provenance, statement
 from .sbom import sbom
 
@@ -36,11 +36,13 @@ class Verified:
     key_id: str
     found: dict[str, str]  # predicate type -> artifact digest, signed by the key and bound to the digest
     rejected: list[str]  # why other referrers did not count
+    signed_for: list[str]  # the references the image signature (cosign's format) names for this digest
 
 
 def verify(api: RegistryApi, repo: str, name: str, reference: str, public_key) -> Verified:
-    """Raise VerificationFailed unless DIGEST has a provenance and an SBOM signed by PUBLIC_KEY whose
-    subject is exactly this digest."""
+    """Raise VerificationFailed unless the image at REFERENCE (a tag or a digest) has a provenance and an SBOM
+    signed by PUBLIC_KEY whose subject is exactly its digest, and an image signature by that key for NAME:TAG
+    (for a digest: for any tag of NAME)."""
     manifest = api.manifest(repo, reference)
     if manifest is None:
         raise VerificationFailed(f"{name}:{reference} is not in the registry")
@@ -69,4 +71,9 @@ def verify(api: RegistryApi, repo: str, name: str, reference: str, public_key) -
     if missing:
         detail = "; ".join(rejected) if rejected else "no attestation attached"
         raise VerificationFailed(f"{name}@{manifest.digest}: no valid signed {' or '.join(missing)} ({detail})")
-    return Verified(manifest.digest, dsse.key_id(public_key), found, rejected)
+    signed_for = cosign.signed_references(api, repo, manifest.digest, public_key)
+    wanted = f"{name}@{manifest.digest}" if reference.startswith("sha256:") else f"{name}:{reference}"
+    if not any(ref == wanted or (ref.rpartition(":")[0] == name and "@" in wanted) for ref in signed_for):
+        detail = f"it is signed for {', '.join(signed_for)}" if signed_for else "no image signature by this key"
+        raise VerificationFailed(f"{wanted}: not signed for this reference ({detail})")
+    return Verified(manifest.digest, dsse.key_id(public_key), found, rejected, signed_for)

@@ -28,7 +28,7 @@ from securesystemslib.dsse import Envelope
 from securesystemslib.exceptions import VerificationError
 from securesystemslib.signer import CryptoSigner, SSlibKey
 
-from builder.attest import dsse, referrers
+from builder.attest import cosign, dsse, referrers
 from builder.attest.provenance import CYCLONEDX, SLSA_PROVENANCE, statement
 from builder.attest.sbom import document
 from builder.attest.signing import REQUIRED, Verified, verify
@@ -348,7 +348,7 @@ class InMemoryRegistry:
         self.blobs[(repo, digest)] = data
         return digest
 
-    def get_blob(self, repo: str, digest: str) -> bytes:
+    def get_blob(self, repo: str, digest: str, max_bytes: int = 1 << 24) -> bytes:
         if (repo, digest) not in self.blobs:
             raise PublishError(f"GET blob {repo}@{digest} answered HTTP 404")
         return self.blobs[(repo, digest)]
@@ -400,6 +400,12 @@ def attach(reg: InMemoryRegistry, image: Manifest, stmt: dict, key) -> str:
 
 def attach_envelope(reg: InMemoryRegistry, image: Manifest, predicate_type: str, envelope) -> str:
     return referrers.attach(reg, REPO, image, predicate_type, envelope)
+
+
+def sign_tags(reg: InMemoryRegistry, image: Manifest, key) -> str:
+    """The image signature publish makes (cosign's format), for every tag that names IMAGE."""
+    tags = sorted(tag for (repo, tag), digest in reg.tags.items() if repo == REPO and digest == image.digest)
+    return cosign.sign(reg, REPO, image.digest, [f"{NAME}:{tag}" for tag in tags], key)
 
 
 # --------------------------------------------------------------------------- referrers: the registry side
@@ -541,8 +547,9 @@ def test_verify_accepts_a_signed_sbom_and_provenance_for_the_digest(key):
     push_image(reg, "other", b"another image")
     sbom_artifact = attach(reg, image, sbom_statement(image.digest), key)
     provenance_artifact = attach(reg, image, provenance_statement(image.digest), key)
+    sign_tags(reg, image, key)
     expected = Verified(image.digest, dsse.key_id(key.public_key()),
-                        {CYCLONEDX: sbom_artifact, SLSA_PROVENANCE: provenance_artifact}, [])
+                        {CYCLONEDX: sbom_artifact, SLSA_PROVENANCE: provenance_artifact}, [], [f"{NAME}:v1"])
     assert verify(reg, REPO, NAME, "v1", key.public_key()) == expected
     assert verify(reg, REPO, NAME, image.digest, key.public_key()) == expected
 
@@ -552,6 +559,7 @@ def test_verify_accepts_envelopes_signed_by_securesystemslib(key):
     image = push_image(reg)
     made = [attach_envelope(reg, image, s["predicateType"], sslib_sign(json.dumps(s).encode(), IN_TOTO, key))
             for s in (sbom_statement(image.digest), provenance_statement(image.digest))]
+    sign_tags(reg, image, key)
     result = verify(reg, REPO, NAME, "v1", key.public_key())
     assert result.found == {CYCLONEDX: made[0], SLSA_PROVENANCE: made[1]} and result.rejected == []
 
@@ -571,6 +579,7 @@ def test_a_statement_about_another_digest_is_refused(key):
     for target in (image, other):
         for stmt in (sbom_statement(other.digest), provenance_statement(other.digest)):
             attach(reg, target, stmt, key)
+        sign_tags(reg, target, key)
     assert set(verify(reg, REPO, NAME, "other", key.public_key()).found) == {CYCLONEDX, SLSA_PROVENANCE}
     with pytest.raises(VerificationFailed) as info:
         verify(reg, REPO, NAME, "v1", key.public_key())
@@ -651,6 +660,7 @@ def test_a_statement_naming_the_image_among_several_subjects_counts(key):
                 {"name": NAME, "digest": {"sha512": "00" * 64, "sha256": image.digest.split(":")[1]}}]
     made = [attach(reg, image, _with_subject(s, subjects), key)
             for s in (sbom_statement(image.digest), provenance_statement(image.digest))]
+    sign_tags(reg, image, key)
     assert verify(reg, REPO, NAME, "v1", key.public_key()).found == {CYCLONEDX: made[0], SLSA_PROVENANCE: made[1]}
 
 
@@ -690,6 +700,7 @@ def test_a_statement_without_a_predicate_type_counts_for_no_required_one(key):
     assert str(info.value) == f"{NAME}@{image.digest}: no valid signed provenance or SBOM (no attestation attached)"
     attach(reg, image, sbom_statement(image.digest), key)
     attach(reg, image, provenance_statement(image.digest), key)
+    sign_tags(reg, image, key)
     assert verify(reg, REPO, NAME, "v1", key.public_key()).found[""] == made
 
 
@@ -730,6 +741,7 @@ def test_a_refused_sbom_does_not_stop_the_search(key):
     refused = attach(reg, image, bad, key)
     good = attach(reg, image, sbom_statement(image.digest), key)
     provenance_artifact = attach(reg, image, provenance_statement(image.digest), key)
+    sign_tags(reg, image, key)
     result = verify(reg, REPO, NAME, "v1", key.public_key())
     assert result.found == {CYCLONEDX: good, SLSA_PROVENANCE: provenance_artifact}
     assert result.rejected == [f"{refused}: an SBOM statement without components"]
@@ -741,6 +753,7 @@ def test_an_sbom_with_no_components_counts(key):
     image = push_image(reg)
     made = attach(reg, image, sbom_statement(image.digest, components=0), key)
     attach(reg, image, provenance_statement(image.digest), key)
+    sign_tags(reg, image, key)
     assert verify(reg, REPO, NAME, "v1", key.public_key()).found[CYCLONEDX] == made
 
 
@@ -776,12 +789,13 @@ def test_verified_lists_what_counted_and_what_did_not(key, stranger):
     provenance_artifact = attach(reg, image, provenance_statement(image.digest), key)
     spdx = attach(reg, image, statement(NAME, image.digest, "https://spdx.dev/Document", {}), key)
     assert len({rejected_sbom, first_sbom, second_sbom, by_stranger, provenance_artifact, spdx}) == 6
+    sign_tags(reg, image, key)
     result = verify(reg, REPO, NAME, "v1", key.public_key())
     assert result == Verified(image.digest, dsse.key_id(key.public_key()),
                               {CYCLONEDX: first_sbom, SLSA_PROVENANCE: provenance_artifact,
                                "https://spdx.dev/Document": spdx},
                               [f"{rejected_sbom}: signed for {OTHER_DIGEST}, not {image.digest}",
-                               f"{by_stranger}: not signed by this key (or changed after signing)"])
+                               f"{by_stranger}: not signed by this key (or changed after signing)"], [f"{NAME}:v1"])
 
 
 @pytest.mark.parametrize("subject", [

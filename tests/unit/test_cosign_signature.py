@@ -1,0 +1,151 @@
+"""Image signatures in the sigstore/cosign format (builder/attest/cosign.py) over the in-memory registry of
+test_attest_contract.py. That a standard verifier accepts them is held by tests/integration/test_attest.py
+(Debian 13's skopeo under a policy.json sigstoreSigned requirement)."""
+import base64
+import json
+
+import pytest
+
+from builder import __version__
+from builder.attest import cosign, dsse
+from builder.attest.signing import verify
+from builder.errors import PublishError, VerificationFailed
+from tests.unit.test_attest_contract import (
+    KINDS,
+    NAME,
+    REPO,
+    InMemoryRegistry,
+    attach,
+    new_key,
+    provenance_statement,
+    push_image,
+    sbom_statement,
+)
+
+
+@pytest.fixture(params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def key(kind):
+    return new_key(kind)
+
+
+@pytest.fixture
+def stranger(kind):
+    return new_key(kind)
+
+
+def signature_layers(reg: InMemoryRegistry, digest: str) -> list[dict]:
+    found = reg.manifest(REPO, cosign.signature_tag(digest))
+    assert found is not None and found.media_type == cosign.OCI_MANIFEST
+    return found.body["layers"]
+
+
+def test_the_payload_is_containers_images_simple_signing_json():
+    """The fields containers/image's strict parser demands, exactly: critical {identity, image, type} and
+    optional; any other key in critical is refused there."""
+    data = json.loads(cosign.payload(f"{NAME}:v1", "sha256:" + "ab" * 32))
+    assert data == {"critical": {"identity": {"docker-reference": f"{NAME}:v1"},
+                                 "image": {"docker-manifest-digest": "sha256:" + "ab" * 32},
+                                 "type": "cosign container image signature"},
+                    "optional": {"creator": f"mopt {__version__}"}}
+    assert cosign.signature_tag("sha256:" + "ab" * 32) == "sha256-" + "ab" * 32 + ".sig"
+
+
+def test_sign_stores_one_layer_per_reference_that_verifies_with_the_key_only(key, stranger):
+    reg = InMemoryRegistry()
+    image = push_image(reg)
+    refs = [f"{NAME}:v1-long", f"{NAME}:v1"]
+    cosign.sign(reg, REPO, image.digest, refs, key)
+    layers = signature_layers(reg, image.digest)
+    assert [layer["mediaType"] for layer in layers] == [cosign.SIMPLE_SIGNING] * 2
+    assert {layer["annotations"][cosign.KEY_ANNOTATION] for layer in layers} == {dsse.key_id(key.public_key())}
+    assert cosign.signed_references(reg, REPO, image.digest, key.public_key()) == refs
+    assert cosign.signed_references(reg, REPO, image.digest, stranger.public_key()) == []
+    config = json.loads(reg.get_blob(REPO, reg.manifest(REPO, cosign.signature_tag(image.digest)).body["config"]
+                                     ["digest"]))
+    assert config["rootfs"]["diff_ids"] == [layer["digest"] for layer in layers]
+
+
+def test_signing_again_replaces_the_keys_own_signatures_and_keeps_another_keys(key, stranger):
+    """Key rotation: both keys' signatures stand side by side; a re-run of publish does not pile up copies."""
+    reg = InMemoryRegistry()
+    image = push_image(reg)
+    cosign.sign(reg, REPO, image.digest, [f"{NAME}:v1"], key)
+    cosign.sign(reg, REPO, image.digest, [f"{NAME}:v1"], stranger)
+    cosign.sign(reg, REPO, image.digest, [f"{NAME}:v1"], key)
+    assert len(signature_layers(reg, image.digest)) == 2
+    for signer in (key, stranger):
+        assert cosign.signed_references(reg, REPO, image.digest, signer.public_key()) == [f"{NAME}:v1"]
+
+
+def test_a_changed_payload_or_a_signature_for_another_digest_does_not_count(key):
+    reg = InMemoryRegistry()
+    image, other = push_image(reg), push_image(reg, "other", b"another image")
+    cosign.sign(reg, REPO, other.digest, [f"{NAME}:other"], key)
+    # other's valid signature copied to image's signature tag: it names other's digest.
+    reg.tags[(REPO, cosign.signature_tag(image.digest))] = reg.tags[(REPO, cosign.signature_tag(other.digest))]
+    assert cosign.signed_references(reg, REPO, image.digest, key.public_key()) == []
+    # A payload edited after signing (its blob replaced under the layer's digest): the signature fails.
+    layer = signature_layers(reg, other.digest)[0]
+    edited = cosign.payload(f"{NAME}:evil", other.digest)
+    reg.blobs[(REPO, layer["digest"])] = edited
+    assert cosign.signed_references(reg, REPO, other.digest, key.public_key()) == []
+    # Unreadable annotations are skipped, not a traceback.
+    layer["annotations"][cosign.SIGNATURE_ANNOTATION] = "not base64!"
+    assert cosign.signed_references(reg, REPO, other.digest, key.public_key()) == []
+
+
+def test_a_signature_tag_that_is_not_an_oci_manifest_is_a_clear_error(key):
+    reg = InMemoryRegistry()
+    image = push_image(reg)
+    reg.tags[(REPO, cosign.signature_tag(image.digest))] = image.digest  # a docker image manifest there
+    with pytest.raises(PublishError, match="not a cosign signature manifest"):
+        cosign.sign(reg, REPO, image.digest, [f"{NAME}:v1"], key)
+
+
+def test_a_payload_signed_by_hand_with_the_spec_verifies(key):
+    """Against the spec, not our helper: the signature is over the payload bytes, base64 in the annotation."""
+    reg = InMemoryRegistry()
+    image = push_image(reg)
+    cosign.sign(reg, REPO, image.digest, [f"{NAME}:v1"], key)
+    layer = signature_layers(reg, image.digest)[0]
+    data = reg.get_blob(REPO, layer["digest"])
+    signature = base64.b64decode(layer["annotations"]["dev.cosignproject.cosign/signature"])
+    assert data == cosign.payload(f"{NAME}:v1", image.digest)
+    if hasattr(key, "curve"):
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        key.public_key().verify(signature, data, ec.ECDSA(hashes.SHA256()))
+    else:
+        key.public_key().verify(signature, data)
+
+
+def _attested(reg: InMemoryRegistry, image, key) -> None:
+    attach(reg, image, sbom_statement(image.digest), key)
+    attach(reg, image, provenance_statement(image.digest), key)
+
+
+def test_verify_needs_an_image_signature_for_the_reference_asked_for(key):
+    reg = InMemoryRegistry()
+    image = push_image(reg)
+    _attested(reg, image, key)
+    with pytest.raises(VerificationFailed) as info:
+        verify(reg, REPO, NAME, "v1", key.public_key())
+    assert str(info.value) == f"{NAME}:v1: not signed for this reference (no image signature by this key)"
+    cosign.sign(reg, REPO, image.digest, [f"{NAME}:v1-long"], key)
+    with pytest.raises(VerificationFailed) as info:
+        verify(reg, REPO, NAME, "v1", key.public_key())
+    assert str(info.value) == f"{NAME}:v1: not signed for this reference (it is signed for {NAME}:v1-long)"
+    # By digest, a signature for any tag of the repository counts; another repository's does not.
+    assert verify(reg, REPO, NAME, image.digest, key.public_key()).signed_for == [f"{NAME}:v1-long"]
+    cosign.sign(reg, REPO, image.digest, [f"{NAME}-copy:v1"], key)
+    assert verify(reg, REPO, NAME, image.digest, key.public_key()).signed_for == [f"{NAME}:v1-long", f"{NAME}-copy:v1"]
+    other = push_image(reg, "w", b"w")
+    _attested(reg, other, key)
+    cosign.sign(reg, REPO, other.digest, [f"{NAME}-copy:w"], key)
+    with pytest.raises(VerificationFailed, match="not signed for this reference"):
+        verify(reg, REPO, NAME, other.digest, key.public_key())
