@@ -104,9 +104,18 @@ models_option = click.option(
     help="auto uses a recipe's substitute model where its source (the Hub) is unreachable; a substitute is "
          "tagged TAG-substitute and labelled as such.")
 sign_key_option = click.option(
-    "--sign-key", type=click.Path(dir_okay=False, exists=True, path_type=Path), envvar="MOPT_SIGN_KEY",
-    help="PEM private key (ECDSA P-256 or Ed25519): sign each published image's SBOM and provenance and attach "
-         "them to its digest in the registry (check with mopt verify).")
+    "--sign-key", "sign_keys", multiple=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    envvar="MOPT_SIGN_KEY",
+    help="PEM private key (ECDSA P-256 or Ed25519): sign each published image (sigstore/cosign format, for its "
+         "long and short tag) and its SBOM and provenance, attached to its digest in the registry (check with mopt "
+         "verify), before any short tag moves. Repeatable: two keys sign side by side during a rotation. "
+         "MOPT_SIGN_KEY: paths separated by spaces.")
+verify_key_option = click.option(
+    "--verify-key", "verify_keys", multiple=True, type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    envvar="MOPT_VERIFY_KEY",
+    help="PEM public key: every long tag must carry an image signature, an SBOM and a provenance signed by one of "
+         "these keys (as mopt verify checks) before any short tag moves. Repeatable; MOPT_VERIFY_KEY: paths "
+         "separated by spaces.")
 
 _GPU_BRANDS = ["auto", "datacenter", "workstation", "consumer", "embedded", "unknown"]
 _GPU_BRAND_HELP = ("The GPU's product line, for driver checks: a data-center GPU runs newer CUDA images on older "
@@ -559,13 +568,13 @@ def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path) -> None
 @sign_key_option
 @allow_substitute_option
 def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, dry_run: bool,
-            record_dir: Path | None, sign_key: Path | None, allow_substitute: bool) -> None:
+            record_dir: Path | None, sign_keys: tuple[Path, ...], allow_substitute: bool) -> None:
     """Push images whose smoke test passed: immutable long tag first, digest verified, then the short tag."""
     from .release import run_release
 
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, "none", (), None, (), "auto"),
                 steps=("publish",), registry=registry, dry_run=dry_run, allow_substitute=allow_substitute,
-                record_dir=record_dir, sign_key=sign_key)
+                record_dir=record_dir, sign_keys=sign_keys)
 
 
 @cli.command()
@@ -575,12 +584,15 @@ def publish(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @registry_option(required=True)
 @click.option("--records", "record_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               metavar="DIR", help="The long-tag records of every runner (`mopt publish --long-only DIR`), any depth.")
-def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, record_dir: Path) -> None:
-    """Fan-in of a distributed release: verify every planned variant's long tag, then move the short tags."""
+@verify_key_option
+def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry: str, record_dir: Path,
+            verify_keys: tuple[Path, ...]) -> None:
+    """Fan-in of a distributed release: verify every planned variant's long tag (and, with --verify-key, its
+    signatures), then move the short tags."""
     from .release import run_promote
     from .state import StateDir
 
-    run_promote(matrix_path, select, registry, record_dir, StateDir(state_dir))
+    run_promote(matrix_path, select, registry, record_dir, StateDir(state_dir), verify_keys=verify_keys)
 
 
 @cli.command()
@@ -595,7 +607,7 @@ def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @allow_substitute_option
 @cache_registry_option
 def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
-            extra_index_url, models, registry: str | None, fail_fast: bool, locked: bool, sign_key: Path | None,
+            extra_index_url, models, registry: str | None, fail_fast: bool, locked: bool, sign_keys: tuple[Path, ...],
             allow_substitute: bool, cache_registry: str | None) -> None:
     """plan -> build -> test -> publish, keep-going, with a JSON + Markdown report."""
     from .release import run_release
@@ -605,7 +617,7 @@ def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundl
                                                     extra_index_url, models, locked,
                                                     cache_registry=cache_registry),
                 steps=steps, registry=registry, fail_fast=fail_fast, allow_substitute=allow_substitute,
-                sign_key=sign_key)
+                sign_keys=sign_keys)
 
 
 @cli.command()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import requests
 
+from .attest import dsse
+from .attest.signing import verify
 from .build import BuildOptions
 from .dockerclient import find_docker, run_docker
 from .errors import EnvironmentProblem, SmokeTestError
@@ -48,13 +50,33 @@ def _registry(root: Path, port: int) -> LocalRegistry:
     return registry
 
 
+def _verify(registry: LocalRegistry, repo: str, tag: str, public: Path):
+    """What `mopt verify` checks: the image signature for this tag, the SBOM and the provenance."""
+    from .registry.api import RegistryApi
+    from .registry.credentials import docker_config_dir, load_credentials
+    from .registry.reference import Registry
+
+    reg = Registry.parse(registry.address)
+    config_dir = docker_config_dir(None)
+    api = RegistryApi(reg, load_credentials(reg, config_dir), config_dir=config_dir)
+    try:
+        return verify(api, repo, f"{registry.address}/{repo}", tag, dsse.load_public_key(public))
+    finally:
+        api.close()
+
+
 def run_demo(matrix_path: str, options: BuildOptions, port: int, serve_port: int) -> None:
     docker = find_docker()
     registry = _registry(options.state.registry, port)
+    # A signing key of the demo's own, kept in the state dir: the image is published signed (sigstore/cosign
+    # format), with its SBOM and provenance, and checked below as a user would check it.
+    private, public = options.state.root / "demo-signing.key", options.state.root / "demo-signing.pub"
+    dsse.make_key_pair(private, public)
     report = run_release(matrix_path, DEMO_SELECT, options, steps=("build", "test", "publish"),
-                         registry=registry.address)
+                         registry=registry.address, sign_keys=(private,))
     row = report.variants[0]
     published = f"{registry.address}/mopt/{row.image}:{row.tag}"
+    verified = _verify(registry, f"mopt/{row.image}", row.tag, public)
     # Prove the published image works as pulled: drop the local copy of that reference, pull it back.
     run_docker(["rm", "-f", DEMO_CONTAINER], docker=docker, check=False)
     run_docker(["rmi", published], docker=docker, check=False)
@@ -75,6 +97,9 @@ def run_demo(matrix_path: str, options: BuildOptions, port: int, serve_port: int
     dim = len(response.json()["data"][0]["embedding"])
     print()
     print(f"published {published} (digest {row.digest}); pulled it back and served it: dimension {dim}")
+    print(f"signed for {', '.join(verified.signed_for)}, with an SBOM and a provenance; verified with {public}")
+    print("check it yourself (the registry's password is in docker's config.json from the demo's login):")
+    print(f"  .venv/bin/mopt verify {published} --key {public}")
     print("try it:")
     print(f"  curl -s {url}/v1/embeddings -H 'Content-Type: application/json' "
           "-d '{\"input\": [\"A man is eating food.\"]}' | head -c 300; echo")

@@ -87,33 +87,34 @@ def record_file(record_dir: Path, variant_id: str) -> Path:
     return record_dir / (variant_id.replace(":", "--").replace("/", "_") + ".json")
 
 
-def _signer(key_path: Path, inputs: dict, log):
+def _signer(key_paths: tuple[Path, ...], inputs: dict, log):
     """publish's after_long: sign and attach each published image's SBOM and provenance (attest/)."""
     from .attest import cosign, dsse, referrers
     from .attest.provenance import CYCLONEDX, SLSA_PROVENANCE
     from .attest.signing import attest
     from .dockerclient import find_docker
 
-    key = dsse.load_private_key(key_path)
+    keys = [dsse.load_private_key(path) for path in key_paths]
     docker = find_docker()
 
     def after_long(item, refs, digest, api) -> None:
-        # Before any short tag moves: the image signed for both its tags (cosign's format), then its SBOM
-        # and provenance attached (signing again replaces this key's signatures; another key's stay).
-        cosign.sign(api, refs.repo, digest, [refs.long, refs.short], key)
-        log(f"  signed {refs.long} and {refs.short} = {digest} (sigstore/cosign signature)")
+        # Before any short tag moves: the image signed for both its tags (cosign's format) by every key, then
+        # its SBOM and provenance attached (signing again replaces a key's own signatures; another key's stay).
+        for key in keys:
+            cosign.sign(api, refs.repo, digest, [refs.long, refs.short], key)
+        log(f"  signed {refs.long} and {refs.short} = {digest} (sigstore/cosign signature, {len(keys)} key(s))")
         index = api.manifest(refs.repo, referrers.referrers_tag(digest))
         attached = {e.get("annotations", {}).get(referrers.PREDICATE_ANNOTATION)
                     for e in (index.body.get("manifests", []) if index else [])}
         if {CYCLONEDX, SLSA_PROVENANCE} <= attached:
             log(f"  {refs.long} = {digest} already has its SBOM and provenance attached")
             return
-        attest(api, refs.repo, refs.name, digest, inputs[item.variant_id], key, docker, log)
+        attest(api, refs.repo, refs.name, digest, inputs[item.variant_id], keys, docker, log)
     return after_long
 
 
 def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path | None = None,
-                 sign_key: Path | None = None, attest_inputs: dict | None = None) -> PublishError | None:
+                 sign_keys: tuple[Path, ...] = (), attest_inputs: dict | None = None) -> PublishError | None:
     """Publish every variant that reached the publish step as ONE release: all long tags pushed and
     verified before any short tag moves. With RECORD_DIR, only the long tags (a runner's share of a
     distributed release), each recorded there for `mopt promote`. Returns the error (rows already
@@ -128,7 +129,7 @@ def _publish_all(pending: list, registry: str, dry_run: bool, record_dir: Path |
     _say(f"publish {len(pending)} variants: long tags first, "
          + ("short tags left to mopt promote" if record_dir else "short tags once all are verified"))
     try:
-        after_long = _signer(sign_key, attest_inputs or {}, _say) if sign_key and not dry_run else None
+        after_long = _signer(sign_keys, attest_inputs or {}, _say) if sign_keys and not dry_run else None
         results = publish([item for item, _ in pending], reg, dry_run=dry_run, log=_say,
                           long_only=record_dir is not None, after_long=after_long)
     except PublishError as exc:
@@ -171,19 +172,19 @@ def _size_check(matrix, variant: Variant, record: VariantRecord, row: VariantRep
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                 registry: str | None = None, dry_run: bool = False, fail_fast: bool = False,
                 allow_substitute: bool = False, record_dir: Path | None = None,
-                sign_key: Path | None = None) -> ReleaseReport:
+                sign_keys: tuple[Path, ...] = ()) -> ReleaseReport:
     """Every step in one process holding the state dir's lock (statelock.py): a second build, test or
     publish on the same state dir waits for it. RECORD_DIR: publish long tags only, recorded there."""
     matrix = load_matrix(Path(matrix_path))  # a broken matrix is reported at once, not after the lock
     with state_lock(options.state.root, f"mopt {' + '.join(steps)}", log=_say):
         return _run_release(matrix, select, options, steps=steps, registry=registry, dry_run=dry_run,
                             fail_fast=fail_fast, allow_substitute=allow_substitute, record_dir=record_dir,
-                            sign_key=sign_key)
+                            sign_keys=sign_keys)
 
 
 def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                  registry: str | None, dry_run: bool, fail_fast: bool, allow_substitute: bool,
-                 record_dir: Path | None, sign_key: Path | None) -> ReleaseReport:
+                 record_dir: Path | None, sign_keys: tuple[Path, ...]) -> ReleaseReport:
     full = make_plan(matrix)
     plan = make_plan(matrix, select) if select else full
     report = ReleaseReport(started=time.time(), steps=list(steps), registry=registry or "",
@@ -235,7 +236,7 @@ def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, step
             if fail_fast:
                 break
     if pending and not (fail_fast and first_error is not None):
-        publish_error = _publish_all(pending, registry or "", dry_run, record_dir, sign_key, attest_inputs)
+        publish_error = _publish_all(pending, registry or "", dry_run, record_dir, sign_keys, attest_inputs)
         first_error = first_error or publish_error
     report.finished = time.time()
     json_path, md_path = report.write(state.reports)
@@ -251,8 +252,29 @@ def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, step
     return report
 
 
+def _signature_check(key_paths: tuple[Path, ...]):
+    """promote's check of each long tag: an image signature, SBOM and provenance by one of the keys."""
+    from .attest import dsse
+    from .attest.signing import verify
+    from .errors import VerificationFailed
+
+    keys = [dsse.load_public_key(path) for path in key_paths]
+
+    def check(api, refs, long_tag: str) -> None:
+        failures = []
+        for key in keys:
+            try:
+                verify(api, refs.repo, refs.name, long_tag, key)
+                return
+            except VerificationFailed as exc:
+                failures.append(exc.message)
+        raise PublishError(f"{refs.long} is not signed by any of the {len(keys)} verify key(s): "
+                           + "; ".join(failures))
+    return check
+
+
 def run_promote(matrix_path: str, select: tuple[str, ...], registry: str, record_dir: Path, state: StateDir,
-                docker_config: str | None = None) -> list:
+                docker_config: str | None = None, verify_keys: tuple[Path, ...] = ()) -> list:
     """The fan-in job of a distributed release: every planned variant's long-tag record must be in
     RECORD_DIR and verify in the registry before any short tag moves (registry.phases.promote).
     Writes reports/promote.md and .json."""
@@ -277,7 +299,9 @@ def run_promote(matrix_path: str, select: tuple[str, ...], registry: str, record
     if twice:
         raise PublishError(f"two long-tag records for {', '.join(twice)}; no short tag was moved")
     _say(f"promote {len(expected)} variants: {len(records)} long-tag records found")
-    results = promote(records, expected, Registry.parse(registry), docker_config=docker_config, log=_say)
+    check = _signature_check(verify_keys) if verify_keys else None
+    results = promote(records, expected, Registry.parse(registry), docker_config=docker_config, log=_say,
+                      check_signed=check)
     by_id = {r.variant_id: r for r in records}
     rows = [{"variant": r.variant_id, "long_tag": by_id[r.variant_id].long_tag,
              "short_tag": by_id[r.variant_id].short_tag, "digest": r.digest,

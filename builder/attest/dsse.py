@@ -38,6 +38,21 @@ def load_private_key(path: Path):
     return key
 
 
+def make_key_pair(private_path: Path, public_path: Path) -> None:
+    """A new ECDSA P-256 key (cosign's default kind): PKCS#8 PEM, readable by its owner only, and its public
+    half (SubjectPublicKeyInfo PEM) beside it. An existing pair is kept."""
+    if private_path.is_file() and public_path.is_file():
+        return
+    key = ec.generate_private_key(ec.SECP256R1())
+    private_path.parent.mkdir(parents=True, exist_ok=True)
+    private_path.touch(mode=0o600)
+    private_path.chmod(0o600)
+    private_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()))
+    public_path.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                          serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
 def load_public_key(path: Path):
     try:
         key = serialization.load_pem_public_key(Path(path).read_bytes())
@@ -54,15 +69,21 @@ def key_id(public_key) -> str:
     return "sha256:" + hashlib.sha256(der).hexdigest()
 
 
-def sign(statement: dict, private_key) -> dict:
+def _signature(message: bytes, private_key) -> str:
+    if isinstance(private_key, ed25519.Ed25519PrivateKey):
+        return base64.b64encode(private_key.sign(message)).decode()
+    return base64.b64encode(private_key.sign(message, ec.ECDSA(hashes.SHA256()))).decode()
+
+
+def sign(statement: dict, *private_keys) -> dict:
+    """An in-toto envelope of STATEMENT with one signature per key (DSSE allows several: a key rotation)."""
+    if not private_keys:
+        raise ValueError("dsse.sign needs at least one key")
     payload = json.dumps(statement, sort_keys=True, separators=(",", ":")).encode()
     message = pae(IN_TOTO, payload)
-    if isinstance(private_key, ed25519.Ed25519PrivateKey):
-        signature = private_key.sign(message)
-    else:
-        signature = private_key.sign(message, ec.ECDSA(hashes.SHA256()))
     return {"payloadType": IN_TOTO, "payload": base64.b64encode(payload).decode(),
-            "signatures": [{"keyid": key_id(private_key.public_key()), "sig": base64.b64encode(signature).decode()}]}
+            "signatures": [{"keyid": key_id(key.public_key()), "sig": _signature(message, key)}
+                           for key in private_keys]}
 
 
 def open_envelope(envelope: object, public_key) -> dict | None:

@@ -13,9 +13,10 @@ from .sbom import sbom
 REQUIRED = {SLSA_PROVENANCE: "provenance", CYCLONEDX: "SBOM"}
 
 
-def attest(api: RegistryApi, repo: str, name: str, digest: str, inputs: AttestInputs, key, docker: DockerCli,
+def attest(api: RegistryApi, repo: str, name: str, digest: str, inputs: AttestInputs, keys: list, docker: DockerCli,
            log) -> list[str]:
-    """Sign the SBOM and the provenance of the image at NAME@DIGEST and attach both to DIGEST."""
+    """Sign the SBOM and the provenance of the image at NAME@DIGEST (one DSSE envelope each, one signature per
+    key) and attach both to DIGEST."""
     subject = api.manifest(repo, digest)
     if subject is None:
         raise PublishError(f"{name}@{digest} is not in the registry: nothing to attach attestations to")
@@ -24,7 +25,7 @@ def attest(api: RegistryApi, repo: str, name: str, digest: str, inputs: AttestIn
     for predicate_type, predicate in ((CYCLONEDX, bom),
                                       (SLSA_PROVENANCE, provenance(inputs.variant, inputs.record, inputs.state,
                                                                    inputs.lock_file))):
-        envelope = dsse.sign(statement(name, digest, predicate_type, predicate), key)
+        envelope = dsse.sign(statement(name, digest, predicate_type, predicate), *keys)
         made.append(referrers.attach(api, repo, subject, predicate_type, envelope))
     log(f"  signed and attached SBOM ({len(bom['components'])} components) and provenance to {name}@{digest}")
     return made

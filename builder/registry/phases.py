@@ -150,10 +150,12 @@ def publish(items: Iterable[PublishItem], registry: Registry, *, docker_config: 
 
 
 def promote(records: Iterable[LongTagRecord], expected: Iterable[str], registry: Registry, *,
-            docker_config: str | None = None, log: Log = print) -> list[PublishResult]:
+            docker_config: str | None = None, log: Log = print,
+            check_signed: Callable[[RegistryApi, Refs, str], None] | None = None) -> list[PublishResult]:
     """The fan-in of a distributed release: phase 2 for long tags published elsewhere. EXPECTED names
     every variant of the release; one without a record (its job failed or never published) stops the
-    release with no short tag moved, as does a long tag that no longer verifies against its record."""
+    release with no short tag moved, as does a long tag that no longer verifies against its record, or
+    (CHECK_SIGNED, where signing is configured) one whose signatures do not verify."""
     records = list(records)
     by_id = {r.variant_id: r for r in records}
     missing = [v for v in expected if v not in by_id]
@@ -172,6 +174,8 @@ def promote(records: Iterable[LongTagRecord], expected: Iterable[str], registry:
         for p, record in zip(planned, records, strict=True):  # every long tag, before any short tag
             try:
                 verify_identity(api, p, record.long_tag, record.digest)
+                if check_signed is not None:
+                    check_signed(api, p.refs, record.long_tag)
             except PublishError as exc:
                 raise fail(exc, p.item, [], checked, moving_short_tags=False) from None
             log(f"  verified {p.refs.long} = {record.digest} (image {record.image_id[:19]})")

@@ -173,6 +173,20 @@ def test_our_envelope_verifies_with_securesystemslib(key, stranger):
     assert not sslib_verifies(envelope, stranger.public_key())
 
 
+def test_an_envelope_signed_by_two_keys_opens_with_either(key, stranger):
+    """A key rotation signs with the old and the new key: one envelope, a signature each, in order; each key
+    alone verifies it (securesystemslib agrees), a third does not."""
+    envelope = dsse.sign(a_statement(), key, stranger)
+    assert [s["keyid"] for s in envelope["signatures"]] == [dsse.key_id(k.public_key()) for k in (key, stranger)]
+    for signer in (key, stranger):
+        assert dsse.open_envelope(envelope, signer.public_key()) == a_statement()
+        assert sslib_verifies(envelope, signer.public_key())
+    third = new_key("ed25519")
+    assert dsse.open_envelope(envelope, third.public_key()) is None
+    with pytest.raises(ValueError, match="at least one key"):
+        dsse.sign(a_statement())
+
+
 @pytest.mark.parametrize("payload", [
     b'{"_type": "https://in-toto.io/Statement/v1", "subject": [], "predicateType": "x", "predicate": {}}',
     b'{"b":1,"a":[1,2,{"c":"\\u00e9"}]}',

@@ -85,7 +85,7 @@ UNKNOWN_KEYS = {
                   "colour: red"),
     "flavour": ((("        tag: cpu\n", "        tag: cpu\n        tags: [x]\n"),), f"{CPU}.tags",
                 "unknown key 'tags' (allowed: axes, backend, device, exclude, include, long_tag, newest, "
-                "runtime_source, set, tag)", "tags: [x]"),
+                "runtime_source, set, size_budget_gb, tag)", "tags: [x]"),
     "rootfs base": ((("    suite: bookworm\n", "    suite: bookworm\n    mirrors: [x]\n"),), "bases.deb.mirrors",
                     "unknown key 'mirrors' (allowed: image, kind, mirror, packages, python, source_date_epoch, "
                     "suite, variant)", "mirrors: [x]"),

@@ -763,6 +763,30 @@ def test_promote_refuses_a_record_the_registry_no_longer_matches(world, tmp_path
         phases.promote([moved_elsewhere], ["qwen3-embed:cpu"], REGISTRY, docker_config=str(tmp_path))
 
 
+def test_promote_with_a_signature_check_moves_nothing_until_every_long_tag_passes(world, tmp_path):
+    """Where signing is configured, promote asks CHECK_SIGNED about every long tag, in the verify phase:
+    one refusal (here the second) stops the release with no short tag moved."""
+    records = _records(world, tmp_path, "minilm-embed", "qwen3-embed")
+    asked = []
+
+    def check(api, refs, long_tag):
+        asked.append((refs.long, long_tag))
+        if refs.repo == "team/qwen3-embed":
+            raise PublishError(f"{refs.long} is not signed by any of the 1 verify key(s): no image signature")
+    with pytest.raises(PublishError) as caught:
+        phases.promote(records, ["minilm-embed:cpu", "qwen3-embed:cpu"], REGISTRY, docker_config=str(tmp_path),
+                       log=world.log.append, check_signed=check)
+    assert asked == [(f"{HOST}/team/minilm-embed:1.0.0-cpu-abc123", "1.0.0-cpu-abc123"),
+                     (f"{HOST}/team/qwen3-embed:1.0.0-cpu-abc123", "1.0.0-cpu-abc123")]
+    assert caught.value.message.startswith(
+        f"qwen3-embed:cpu: {HOST}/team/qwen3-embed:1.0.0-cpu-abc123 is not signed by any of the 1 verify key(s)")
+    assert "no short tag was moved" in caught.value.message
+    assert [e for e in world.events if e[0] == "move"] == []
+    phases.promote(records, ["minilm-embed:cpu", "qwen3-embed:cpu"], REGISTRY, docker_config=str(tmp_path),
+                   check_signed=lambda api, refs, tag: None)
+    assert len([e for e in world.events if e[0] == "move"]) == 2
+
+
 def test_long_tag_records_read_back_and_refuse_anything_else():
     record = LongTagRecord("a:cpu", _sha("image"), "mopt/a", "1.0.0", "1.0", "127.0.0.1:5000", _sha("m"))
     assert LongTagRecord.from_json(json.loads(json.dumps(record.to_json())), "r.json") == record

@@ -56,7 +56,7 @@ def test_release_matrix_comes_from_mopt_and_runners_from_sm():
     assert "mopt matrix --github" in str(release["jobs"]["plan"]["steps"])
     steps = [s.get("name") for s in job["steps"]]
     assert steps.index("Build and smoke-test") < steps.index(
-        "Publish the long tag (only images whose smoke test passed)") < steps.index("Keep the long-tag record")
+        "Publish the long tag, signed (only images whose smoke test passed)") < steps.index("Keep the long-tag record")
     assert "GITHUB_STEP_SUMMARY" in str(job["steps"])
 
 
