@@ -57,7 +57,7 @@ def test_release_yml_releases_signs_and_promotes_and_a_failed_variant_moves_no_s
         first = release(tmp_path, "run-1", "*:cpu", reg, private, public)
         (plan,) = first.of("plan")
         assert plan.result == "success", output(plan)
-        assert "| `minilm-embed:cpu` |" in plan.summary  # the step summary is Markdown, not a Rich table
+        assert "| minilm-embed:cpu | torch-aot |" in plan.summary  # the step summary is Markdown, not a Rich table
         builds = {job.name: job for job in first.of("build-test-publish")}
         assert set(builds) == {"minilm-embed:cpu", "qwen3-embed:cpu"}
         assert builds["minilm-embed:cpu"].runs_on == ["ubuntu-24.04"]
