@@ -361,9 +361,21 @@ def _key_values(content: str) -> dict:
 
 # --------------------------------------------------------------------------- local equivalents of actions
 def _checkout(runner: WorkflowRunner, with_: dict, workspace: Path) -> str:
+    """A clone of HEAD, and the runner's tool cache: a venv of the workspace's own whose site-packages see
+    this checkout's installed packages (a .pth line), so the workflow's `scripts/setup.sh` only installs
+    the workspace itself (editable) and never writes into this checkout's venv."""
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(workspace)], check=True,
                    capture_output=True, timeout=300)
-    (workspace / ".venv").symlink_to(REPO / ".venv")
+    venv = workspace / ".venv"
+    subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "venv", str(venv)], check=True,
+                   capture_output=True, timeout=300)
+    shared = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-c", "import sysconfig; "
+                             "print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True,
+                            text=True, timeout=60).stdout.strip()
+    own = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; "
+                          "print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True, text=True,
+                         timeout=60).stdout.strip()
+    Path(own, "runner-tool-cache.pth").write_text(shared + "\n")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=workspace, capture_output=True, text=True).stdout
     return f"cloned {REPO} at {head.strip()}"
 
