@@ -178,7 +178,8 @@ def promote(records: Iterable[LongTagRecord], expected: Iterable[str], registry:
                     check_signed(api, p.refs, record.long_tag)
             except PublishError as exc:
                 raise fail(exc, p.item, [], checked, moving_short_tags=False) from None
-            log(f"  verified {p.refs.long} = {record.digest} (image {record.image_id[:19]})")
+            log(f"  verified {p.refs.long} = {record.digest} (image {record.image_id[:19]}"
+                + (", signatures verified)" if check_signed is not None else ")"))
             checked.append(p.refs.long)
         log(f"all {len(checked)} long tags of the release verified; moving the short tags")
         results: list[PublishResult] = []

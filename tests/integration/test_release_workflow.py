@@ -78,7 +78,9 @@ def test_release_yml_releases_signs_and_promotes_and_a_failed_variant_moves_no_s
         assert [j.result for j in second.jobs] == ["success"] * 3, [output(j) for j in second.jobs]
         assert digest_of(reg, "wf/minilm-embed", "cpu") == long_digest
         (promote,) = second.of("promote")
-        assert "short_tag_moved" in promote.summary or "| `minilm-embed:cpu`" in promote.summary, promote.summary
+        assert f"| minilm-embed:cpu | {long_tag} | cpu |" in promote.summary, promote.summary
+        assert f"wf/minilm-embed:{long_tag} = {long_digest}" in output(promote)
+        assert "signatures verified" in output(promote), output(promote)
         # What was published is signed: mopt verify with the public key, for the short tag promote moved.
         verified = subprocess.run([sys.executable, "-m", "builder", "verify", f"{reg.address}/wf/minilm-embed:cpu",
                                    "--key", str(public), "--format", "json"], cwd=REPO, capture_output=True,
