@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from builder.attest.dsse import make_key_pair
 from builder.localregistry import docker_login
 from builder.state import ModelRecord, SmokeRecord, StateDir, VariantRecord
 from tests.integration.conftest import REPO
@@ -94,6 +95,16 @@ def test_one_failed_variant_job_moves_no_short_tag_then_the_release_completes(do
     assert api.digest("mopt/minilm-embed", short0) is None
     (records / "forged" / "x.json").unlink()
     record_path.write_text(json.dumps(record))
+
+    # Where signing is configured (--verify-key), the unsigned long tags stop the release: nothing moves.
+    public = tmp_path / "release.pub"
+    make_key_pair(tmp_path / "release.key", public)
+    unsigned = mopt("promote", "--select", VARIANTS[0], "--registry", reg, "--records", str(records),
+                    "--verify-key", str(public), state=fan_in, config=config)
+    assert unsigned.returncode == 6, unsigned.stdout + unsigned.stderr
+    assert (f"{reg}/mopt/minilm-embed:{long0} is not signed by any of the 1 verify key(s)" in unsigned.stderr
+            and "no short tag was moved" in unsigned.stderr), unsigned.stderr
+    assert api.digest("mopt/minilm-embed", short0) is None
 
     # The failed job re-run after a fix: its record arrives, and the promote moves every short tag.
     StateDir(bad_state).write_smoke("minilm-embed", "cpu-vllm", SmokeRecord(image_id=ids[VARIANTS[1]], key="k",

@@ -149,3 +149,14 @@ def test_verify_needs_an_image_signature_for_the_reference_asked_for(key):
     cosign.sign(reg, REPO, other.digest, [f"{NAME}-copy:w"], key)
     with pytest.raises(VerificationFailed, match="not signed for this reference"):
         verify(reg, REPO, NAME, other.digest, key.public_key())
+
+
+def test_the_demos_key_pair_is_readable_by_its_owner_only_and_kept(tmp_path):
+    private, public = tmp_path / "k" / "demo.key", tmp_path / "k" / "demo.pub"
+    dsse.make_key_pair(private, public)
+    assert private.stat().st_mode & 0o777 == 0o600
+    key, pub = dsse.load_private_key(private), dsse.load_public_key(public)
+    assert dsse.key_id(key.public_key()) == dsse.key_id(pub)
+    before = private.read_bytes()
+    dsse.make_key_pair(private, public)  # an existing pair is kept: signatures made with it stay valid
+    assert private.read_bytes() == before
