@@ -102,7 +102,8 @@ class ReleaseReport:
         if sized:
             lines += ["", "## image sizes (the three largest layers)", ""]
             lines += [f"- `{v.id}`: {v.size_text}; " + "; ".join(
-                f"{layer['size_bytes'] / 1e6:.0f} MB `{layer['created_by'][:70].replace('`', '')}`"
+                f"{layer['size_bytes'] / 1e6:.0f} MB " + (f"`{layer['created_by'][:70].replace('`', '')}`"
+                                                          if layer["created_by"] else "(no step recorded)")
                 for layer in sorted(v.layers, key=lambda layer: -layer["size_bytes"])[:3]) for v in sized]
         notes = [(v.id, note) for v in self.variants for note in v.notes]
         if notes:

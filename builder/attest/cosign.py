@@ -35,10 +35,11 @@ KEY_ANNOTATION = "dev.mopt.keyid"  # which key made a layer: signing again repla
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 SIGNATURE_TYPE = "cosign container image signature"
+MAX_PAYLOAD_BYTES = 64 * 1024  # a payload is a few hundred bytes; containers/image reads at most 4 MiB
 
 
 def signature_tag(digest: str) -> str:
-    return digest.replace(":", "-", 1) + ".sig"
+    return digest.replace(":", "-") + ".sig"  # a digest has one colon
 
 
 def payload(reference: str, digest: str) -> bytes:
@@ -109,8 +110,8 @@ def signed_references(api: RegistryApi, repo: str, digest: str, public_key) -> l
             continue
         try:
             signature = base64.b64decode(layer.get("annotations", {})[SIGNATURE_ANNOTATION], validate=True)
-            data = api.get_blob(repo, layer["digest"], max_bytes=64 * 1024)
-        except (KeyError, TypeError, ValueError):
+            data = api.get_blob(repo, layer["digest"], max_bytes=MAX_PAYLOAD_BYTES)
+        except (KeyError, TypeError, ValueError, PublishError):  # unreadable, or too large to be a payload
             continue
         if not _valid(data, signature, public_key):
             continue

@@ -25,14 +25,24 @@ def test_over_the_budget_names_the_size_the_budget_and_the_largest_layers():
         "largest layers: 0.90 GB: RUN pip install torch; 0.20 GB: COPY engine; 0.00 GB: ADD rootfs")
 
 
+def test_the_message_clips_each_layers_step_to_80_characters():
+    step = "RUN " + "y" * 100
+    with pytest.raises(BuildError) as caught:
+        check_budget("a:cpu", 3 * 10**9, 2.0, (Layer(2 * 10**9, step),))
+    assert caught.value.message.endswith(f"largest layers: 2.00 GB: {step[:80]}")
+
+
 def test_image_layers_reads_docker_history_bottom_first_and_skips_empty_layers(tmp_path):
     fake = tmp_path / "docker"
     fake.write_text("#!/bin/sh\n"
                     "echo \"$@\" > \"$(dirname \"$0\")/argv\"\n"
                     "printf '0\\tCMD [\"serve\"]\\n400\\tCOPY  engine\\t/opt\\n'\n"
-                    "printf '7\\tRUN pip   install x\\nabc\\tbroken\\n'\n")
+                    "printf '7\\tRUN pip   install x\\nabc\\tbroken\\n1\\tCOPY one byte\\n'\n"
+                    "printf '9\\tRUN %0250d\\n' 0\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     cli = DockerCli(path=str(fake), version="20.10", buildkit="builtin")
-    assert image_layers("sha256:abc", docker=cli) == (Layer(7, "RUN pip install x"), Layer(400, "COPY engine /opt"))
+    assert image_layers("sha256:abc", docker=cli) == (
+        Layer(9, ("RUN " + "0" * 250)[:200]), Layer(1, "COPY one byte"), Layer(7, "RUN pip install x"),
+        Layer(400, "COPY engine /opt"))
     assert (tmp_path / "argv").read_text().rstrip("\n").split(" ") == [
         "history", "--no-trunc", "--human=false", "--format", "{{.Size}}\t{{.CreatedBy}}", "sha256:abc"]

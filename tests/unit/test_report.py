@@ -24,6 +24,7 @@ def sample() -> ReleaseReport:
                       layers=[{"size_bytes": 80_000_000, "created_by": "ADD rootfs.tar /"},
                               {"size_bytes": 2_000_000_000, "created_by": "RUN pip install torch `x`"},
                               {"size_bytes": 1_000, "created_by": "COPY params.json /"},
+                              {"size_bytes": 90_000_000, "created_by": ""},
                               {"size_bytes": 400_000_000, "created_by": "COPY engine /opt/engine"}]),
         VariantReport(id="qwen3-embed:cu128-sm90", image="qwen3-embed", flavour="aot", tag="cu128-sm90", long_tag="y",
                       cuda="12.8", sm="90", built=True, failed_step="test",
@@ -52,7 +53,7 @@ def test_markdown_grid():
     # Size against the flavour's budget, and the three largest layers, largest first (backticks dropped).
     assert "| yes | yes | 2500 MB of 3000 | 100.0 |" in text
     assert ("- `qwen3-embed:cu128-sm86`: 2500 MB of 3000; 2000 MB `RUN pip install torch x`; "
-            "400 MB `COPY engine /opt/engine`; 80 MB `ADD rootfs.tar /`\n") in text
+            "400 MB `COPY engine /opt/engine`; 90 MB (no step recorded)\n") in text
     assert "| `minilm-embed:cpu` | built | yes (cached) | - | - | - |" in text  # no size known
 
 
