@@ -200,6 +200,17 @@ def test_a_fresh_sudo_user_sets_up_the_demo_in_its_clone_and_owns_everything(mak
     assert not_owned_by(user, home) == []
 
 
+def _minimal_project(user) -> Path:
+    """A checkout of USER's with only setup.sh and a small pyproject.toml, all the user's own."""
+    project = Path(user.pw_dir) / "proj"
+    (project / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "setup.sh", project / "scripts" / "setup.sh")
+    (project / "pyproject.toml").write_text(PYPROJECT)
+    for path in (project, project / "scripts", project / "scripts" / "setup.sh", project / "pyproject.toml"):
+        os.chown(path, user.pw_uid, user.pw_gid)
+    return project
+
+
 @pytest.mark.timeout(120)
 def test_a_user_without_the_docker_group_gets_one_line_with_the_fix(make_user):
     """A user outside the socket's group and without sudo rights: the dry run says sudo needs a
@@ -207,12 +218,7 @@ def test_a_user_without_the_docker_group_gets_one_line_with_the_fix(make_user):
     where the socket is root's), before any venv is made; no dockerd is started beside the running one."""
     _need_root_and_sudo()
     user = make_user(sudo=False, docker=False)
-    project = Path(user.pw_dir) / "proj"
-    (project / "scripts").mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "setup.sh", project / "scripts" / "setup.sh")
-    (project / "pyproject.toml").write_text(PYPROJECT)
-    for path in (project, project / "scripts", project / "scripts" / "setup.sh", project / "pyproject.toml"):
-        os.chown(path, user.pw_uid, user.pw_gid)
+    project = _minimal_project(user)
 
     planned = as_user(user, ["bash", "scripts/setup.sh", "demo"], cwd=project, timeout=60,
                       MOPT_SETUP_DRY_RUN="1", MOPT_SKIP_APT="1")
@@ -235,12 +241,7 @@ def test_root_in_a_users_checkout_hands_what_it_made_back(make_user):
     egg-info) is made by root, then handed to the checkout's owner: nothing in it stays root's."""
     _need_root_and_sudo()
     user = make_user(sudo=False, docker=False)
-    project = Path(user.pw_dir) / "proj"
-    (project / "scripts").mkdir(parents=True)
-    shutil.copy(REPO / "scripts" / "setup.sh", project / "scripts" / "setup.sh")
-    (project / "pyproject.toml").write_text(PYPROJECT)
-    for path in (project, project / "scripts", project / "scripts" / "setup.sh", project / "pyproject.toml"):
-        os.chown(path, user.pw_uid, user.pw_gid)
+    project = _minimal_project(user)
     result = setup(project, "demo")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"venv: handed to {user.pw_name}, the checkout's owner" in result.stdout, result.stdout
