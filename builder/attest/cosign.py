@@ -46,8 +46,8 @@ def payload(reference: str, digest: str) -> bytes:
     """What is signed: the simple-signing JSON for REFERENCE (host/repo:tag) at DIGEST."""
     body = {"critical": {"identity": {"docker-reference": reference}, "image": {"docker-manifest-digest": digest},
                          "type": SIGNATURE_TYPE},
-            "optional": {"creator": f"mopt {__version__}"}}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+            "optional": {"creator": f"mopt {__version__}"}}  # written in sorted order: the same bytes each time
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _sign_bytes(data: bytes, private_key) -> bytes:

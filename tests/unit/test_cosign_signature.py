@@ -118,6 +118,10 @@ def test_each_unusable_layer_is_skipped_and_the_search_goes_on(key):
     junk = valid["annotations"][cosign.SIGNATURE_ANNOTATION]
     _add_layer(reg, image.digest, reg.get_blob(REPO, valid["digest"]), junk[:8] + "!" + junk[8:])
     _add_layer(reg, image.digest, b"not json", _sig(key, b"not json"))
+    bare = reg.manifest(REPO, cosign.signature_tag(image.digest)).body  # a layer without annotations
+    bare_layer = {k: v for k, v in bare["layers"][0].items() if k != "annotations"}
+    reg.put_manifest(REPO, cosign.signature_tag(image.digest), reg.put_manifest_by_digest(
+        REPO, {**bare, "layers": [bare_layer, *bare["layers"]]}))
     other = cosign.payload(f"{NAME}:v1", "sha256:" + "0" * 64)
     _add_layer(reg, image.digest, other, _sig(key, other))
     big = cosign.payload(f"{NAME}:v1", image.digest)[:-1] + b', "pad": "' + b"x" * (64 * 1024) + b'"}'
@@ -254,8 +258,15 @@ def test_verify_needs_an_image_signature_for_the_reference_asked_for(key):
         verify(reg, REPO, NAME, other.digest, key.public_key())
 
 
+def test_a_half_pair_is_made_whole_with_a_new_key(tmp_path):
+    private, public = tmp_path / "demo.key", tmp_path / "demo.pub"
+    public.write_text("left over")
+    dsse.make_key_pair(private, public)
+    assert dsse.key_id(dsse.load_private_key(private).public_key()) == dsse.key_id(dsse.load_public_key(public))
+
+
 def test_the_demos_key_pair_is_readable_by_its_owner_only_and_kept(tmp_path):
-    private, public = tmp_path / "k" / "demo.key", tmp_path / "k" / "demo.pub"
+    private, public = tmp_path / "a" / "b" / "demo.key", tmp_path / "a" / "b" / "demo.pub"
     dsse.make_key_pair(private, public)
     assert private.stat().st_mode & 0o777 == 0o600
     key, pub = dsse.load_private_key(private), dsse.load_public_key(public)
