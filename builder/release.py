@@ -217,7 +217,7 @@ def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, step
                 elif record is None:
                     raise MoptError(f"{variant.id}: not built yet (run mopt build first)")
                 row.built, row.image_id, row.size_bytes = True, record.image_id, record.size_bytes
-                if not row.layers:  # once per variant, at its first step: an image over budget goes no further
+                if step == "build":  # where the image was just made: one over its budget goes no further
                     _size_check(matrix, variant, record, row)
                 if record.model.substituted:
                     row.tag, row.long_tag = image_tags(variant.tag, variant.long_tag, True)
