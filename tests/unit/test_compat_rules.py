@@ -1178,3 +1178,14 @@ def test_a_schema_error_quoting_a_whole_file_is_clipped(tmp_path):
 def test_an_empty_package_version_is_refused(axis):
     with pytest.raises(ConfigError, match="^empty version$"):
         check(Combo(**{axis: ""}))
+
+
+@pytest.mark.parametrize("package, field, version", [("vllm", "vllm", "0.30.0"),
+                                                     ("tensorrt_llm", "tensorrt_llm", "1.1")])
+def test_an_sm_drop_applies_to_the_sm_as_the_user_wrote_it(package, field, version):
+    """vLLM's and TensorRT-LLM's drop rules see the normalised sm: "sm_70" and "7.0" meet a drop of "70"."""
+    kb = _drop(package=package, sm=["70"], dropped_in="0.0.1")
+    for written in ("70", "sm_70", "7.0"):
+        reasons = _verdict(kb, **{field: version}, sm=written)[0]
+        assert any("sm_70" in r and "dropped" in r for r in reasons) or any("70" in r and "dropped" in r
+                                                                               for r in reasons), (written, reasons)

@@ -41,6 +41,8 @@ def test_the_shipped_debian_lines_take_pypis_cuda_13_builds(shipped):
     for v in aot + vllm:
         assert (v.resolved.base.name, v.resolved.base.kind, v.resolved.cuda) == ("debian12", "rootfs", "13.0")
         assert v.resolved.torch_default_cuda == "13.0" and v.resolved.min_driver
+        assert v.resolved.cuda_from_pypi is True
+    assert {v.resolved.cuda_from_pypi for v in plan.variants if v.flavour in ("aot", "vllm", "cpu")} == {False}
     assert {(v.resolved.torch, v.resolved.torch_default_cuda_full) for v in aot} == {("2.11.0", "13.0.2")}
     assert {(v.resolved.vllm, v.resolved.torch, v.resolved.vllm_wheel_cuda) for v in vllm} == {
         ("0.32.0", "2.13.0", "13.0")}
