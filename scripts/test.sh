@@ -29,25 +29,7 @@ if [ "$#" -eq 0 ] && [ "$sample" != 0 ]; then
     TMPDIR="$mutation_tmp" nice -n 10 .venv/bin/python scripts/mutation.py --fresh --sample "$sample" --seed "$seed" > "$mutation_log" 2>&1 &
     mutation_pid=$!
 fi
-if [ "$#" -eq 0 ]; then
-    # The two tiers side by side: the unit tier is CPU-bound on one core while the integration tier
-    # mostly waits on Docker (pulls of wheels, layer writes), so in a row they took 48 min on a fresh
-    # machine and side by side about ten less (docs/testing.md). Each has its own temp dir, since pytest
-    # prunes older numbered temp dirs, and the unit tier's report is printed when both are done.
-    unit_log="$(mktemp)"
-    unit_tmp="$(mktemp -d)"
-    TMPDIR="$unit_tmp" .venv/bin/python -m pytest -p no:cacheprovider --durations=25 tests/unit > "$unit_log" 2>&1 &
-    unit_pid=$!
-    .venv/bin/python -m pytest -p no:cacheprovider --durations=25 tests/integration || rc=$?
-    unit_rc=0
-    wait "$unit_pid" || unit_rc=$?
-    echo "=== the unit tier (tests/unit), run beside the integration tier ==="
-    cat "$unit_log"
-    rm -rf "$unit_log" "$unit_tmp"
-    if [ "$unit_rc" != 0 ]; then rc=$((rc ? rc : unit_rc)); fi
-else
-    .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@" tests || rc=$?
-fi
+.venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@" tests || rc=$?
 if [ -n "$mutation_pid" ]; then
     mutation_rc=0
     wait "$mutation_pid" || mutation_rc=$?

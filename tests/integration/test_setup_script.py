@@ -168,7 +168,10 @@ def test_a_fresh_sudo_user_sets_up_the_demo_in_its_clone_and_owns_everything(mak
     clone = home / "mopt"
     # The checkout belongs to root: the user's git must be told it is safe to read (a local clone's
     # upload-pack ignores `git -c`, so through the user's own ~/.gitconfig).
-    (home / ".gitconfig").write_text(f"[safe]\n\tdirectory = {REPO}\n\tdirectory = {REPO}/.git\n")
+    gitdir = subprocess.run(["git", "rev-parse", "--absolute-git-dir"], cwd=REPO, capture_output=True, text=True,
+                            check=True, timeout=30).stdout.strip()  # a worktree's git dir lies elsewhere
+    (home / ".gitconfig").write_text(f"[safe]\n\tdirectory = {REPO}\n\tdirectory = {REPO}/.git\n"
+                                     f"\tdirectory = {gitdir}\n")
     os.chown(home / ".gitconfig", user.pw_uid, user.pw_gid)
     cloned = as_user(user, ["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(clone)], cwd=home,
                      timeout=120)
