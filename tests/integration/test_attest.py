@@ -168,7 +168,7 @@ def test_skopeo_accepts_the_signed_image_under_sigstore_signed_and_refuses_the_r
     published = mopt("publish", "--select", "minilm-embed:cpu", "--registry", reg, "--sign-key", str(private),
                      config=config, state=runner_state(tmp_path, "minilm-embed:cpu", signed_id, True))
     assert published.returncode == 0, published.stdout + published.stderr
-    assert "(sigstore/cosign signature)" in published.stdout + published.stderr
+    assert "(sigstore/cosign signature, 1 key(s))" in published.stdout + published.stderr
     unsigned = mopt("publish", "--select", "minilm-embed:cpu-vllm", "--registry", reg, config=config,
                     state=runner_state(tmp_path, "minilm-embed:cpu-vllm", unsigned_id, True))
     assert unsigned.returncode == 0, unsigned.stdout + unsigned.stderr
