@@ -20,14 +20,10 @@ from __future__ import annotations
 import base64
 import json
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-
 from .. import __version__
 from ..errors import PublishError
 from ..registry.api import RegistryApi
-from .dsse import key_id
+from .dsse import key_id, sign_bytes, valid_signature
 
 SIMPLE_SIGNING = "application/vnd.dev.cosign.simplesigning.v1+json"
 SIGNATURE_ANNOTATION = "dev.cosignproject.cosign/signature"
@@ -50,23 +46,6 @@ def payload(reference: str, digest: str) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _sign_bytes(data: bytes, private_key) -> bytes:
-    if isinstance(private_key, ed25519.Ed25519PrivateKey):
-        return private_key.sign(data)
-    return private_key.sign(data, ec.ECDSA(hashes.SHA256()))
-
-
-def _valid(data: bytes, signature: bytes, public_key) -> bool:
-    try:
-        if isinstance(public_key, ed25519.Ed25519PublicKey):
-            public_key.verify(signature, data)
-        else:
-            public_key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
-    except InvalidSignature:
-        return False
-    return True
-
-
 def _layers(api: RegistryApi, repo: str, digest: str) -> list[dict]:
     found = api.manifest(repo, signature_tag(digest))
     if found is None:
@@ -84,7 +63,7 @@ def sign(api: RegistryApi, repo: str, digest: str, references: list[str], privat
     for reference in references:
         data = payload(reference, digest)
         new.append({"mediaType": SIMPLE_SIGNING, "digest": api.upload_blob(repo, data), "size": len(data),
-                    "annotations": {SIGNATURE_ANNOTATION: base64.b64encode(_sign_bytes(data, private_key)).decode(),
+                    "annotations": {SIGNATURE_ANNOTATION: base64.b64encode(sign_bytes(data, private_key)).decode(),
                                     KEY_ANNOTATION: keyid}})
     replaced = {(layer["digest"], keyid) for layer in new}
     kept = [layer for layer in _layers(api, repo, digest)
@@ -113,7 +92,7 @@ def signed_references(api: RegistryApi, repo: str, digest: str, public_key) -> l
             data = api.get_blob(repo, layer["digest"], max_bytes=MAX_PAYLOAD_BYTES)
         except (KeyError, TypeError, ValueError, PublishError):  # unreadable, or too large to be a payload
             continue
-        if not _valid(data, signature, public_key):
+        if not valid_signature(data, signature, public_key):
             continue
         try:
             critical = json.loads(data)["critical"]

@@ -69,10 +69,22 @@ def key_id(public_key) -> str:
     return "sha256:" + hashlib.sha256(der).hexdigest()
 
 
-def _signature(message: bytes, private_key) -> str:
+def sign_bytes(message: bytes, private_key) -> bytes:
+    """MESSAGE signed: Ed25519, or ECDSA P-256 with SHA-256 (DER), as DSSE and cosign both use them."""
     if isinstance(private_key, ed25519.Ed25519PrivateKey):
-        return base64.b64encode(private_key.sign(message)).decode()
-    return base64.b64encode(private_key.sign(message, ec.ECDSA(hashes.SHA256()))).decode()
+        return private_key.sign(message)
+    return private_key.sign(message, ec.ECDSA(hashes.SHA256()))
+
+
+def valid_signature(message: bytes, signature: bytes, public_key) -> bool:
+    try:
+        if isinstance(public_key, ed25519.Ed25519PublicKey):
+            public_key.verify(signature, message)
+        else:
+            public_key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+    except InvalidSignature:
+        return False
+    return True
 
 
 def sign(statement: dict, *private_keys) -> dict:
@@ -82,8 +94,8 @@ def sign(statement: dict, *private_keys) -> dict:
     payload = json.dumps(statement, sort_keys=True, separators=(",", ":")).encode()
     message = pae(IN_TOTO, payload)
     return {"payloadType": IN_TOTO, "payload": base64.b64encode(payload).decode(),
-            "signatures": [{"keyid": key_id(key.public_key()), "sig": _signature(message, key)}
-                           for key in private_keys]}
+            "signatures": [{"keyid": key_id(key.public_key()),
+                            "sig": base64.b64encode(sign_bytes(message, key)).decode()} for key in private_keys]}
 
 
 def open_envelope(envelope: object, public_key) -> dict | None:
@@ -98,12 +110,7 @@ def open_envelope(envelope: object, public_key) -> dict | None:
         return None
     message = pae(IN_TOTO, payload)
     for signature in signatures:
-        try:
-            if isinstance(public_key, ed25519.Ed25519PublicKey):
-                public_key.verify(signature, message)
-            else:
-                public_key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
-        except InvalidSignature:
+        if not valid_signature(message, signature, public_key):
             continue
         try:
             statement = json.loads(payload)

@@ -11,32 +11,18 @@ from builder.attest import cosign, dsse
 from builder.attest.signing import verify
 from builder.errors import PublishError, VerificationFailed
 from builder.registry.api import Manifest
+from tests.unit import test_attest_contract as contract
 from tests.unit.test_attest_contract import (
-    KINDS,
     NAME,
     REPO,
     InMemoryRegistry,
     attach,
-    new_key,
     provenance_statement,
     push_image,
     sbom_statement,
 )
 
-
-@pytest.fixture(params=KINDS)
-def kind(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-def key(kind):
-    return new_key(kind)
-
-
-@pytest.fixture
-def stranger(kind):
-    return new_key(kind)
+kind, key, stranger = contract.kind, contract.key, contract.stranger  # the same key fixtures, both key types
 
 
 def signature_layers(reg: InMemoryRegistry, digest: str) -> list[dict]:
@@ -104,7 +90,7 @@ def _add_layer(reg: InMemoryRegistry, digest: str, data: bytes, signature: str, 
 
 
 def _sig(key, data: bytes) -> str:
-    return base64.b64encode(cosign._sign_bytes(data, key)).decode()
+    return base64.b64encode(dsse.sign_bytes(data, key)).decode()
 
 
 def test_each_unusable_layer_is_skipped_and_the_search_goes_on(key):
