@@ -1,7 +1,8 @@
 """The mopt command line: a stable contract for CI and other tools.
 
 Exit codes: 0 ok; 2 bad input; 3 incompatible combination; 4 build; 5 smoke test; 6 publish;
-7 host environment; 8 verification failed; 9 package index offline or unusable (kb check).
+7 host environment; 8 verification failed; 9 package index offline or unusable (kb check);
+10 a bench target could not be measured (bench).
 User errors print one line, never a traceback.
 """
 from __future__ import annotations
@@ -544,16 +545,23 @@ def warm_cmd(image: str, model: Path, cache: Path, runtime_args: tuple[str, ...]
     click.echo(f"{result.outcome}: {result.engine_dir} (key {result.key}, {result.seconds:.1f}s)")
 
 
+bench_option = click.option(
+    "--bench", is_flag=True,
+    help="After each smoke test, a short bench of the image (4 clients, 5 s) into the report (mopt bench measures "
+         "properly).")
+
+
 @cli.command("test")
 @matrix_option
 @select_option
 @state_option
-def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path) -> None:
+@bench_option
+def test_cmd(matrix_path: str, select: tuple[str, ...], state_dir: Path, bench: bool) -> None:
     """Smoke-test the built final images in containers (testcontainers)."""
     from .release import run_release
 
     run_release(matrix_path, select, _build_options(state_dir, matrix_path, "none", (), None, (), "auto"),
-                steps=("test",))
+                steps=("test",), bench=bench)
 
 
 @cli.command()
@@ -606,9 +614,10 @@ def promote(matrix_path: str, select: tuple[str, ...], state_dir: Path, registry
 @sign_key_option
 @allow_substitute_option
 @cache_registry_option
+@bench_option
 def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundle, find_links, index_url,
             extra_index_url, models, registry: str | None, fail_fast: bool, locked: bool, sign_keys: tuple[Path, ...],
-            allow_substitute: bool, cache_registry: str | None) -> None:
+            allow_substitute: bool, cache_registry: str | None, bench: bool) -> None:
     """plan -> build -> test -> publish, keep-going, with a JSON + Markdown report."""
     from .release import run_release
 
@@ -617,7 +626,7 @@ def release(matrix_path: str, select: tuple[str, ...], state_dir: Path, ca_bundl
                                                     extra_index_url, models, locked,
                                                     cache_registry=cache_registry),
                 steps=steps, registry=registry, fail_fast=fail_fast, allow_substitute=allow_substitute,
-                sign_keys=sign_keys)
+                sign_keys=sign_keys, bench=bench)
 
 
 @cli.command()
@@ -867,6 +876,96 @@ def prune_cmd(state_dir: Path, keep_states: tuple[Path, ...], labels: tuple[str,
         click.echo(f"kept: {' '.join(image.tags) or image.image_id}: {reason}")
     for image, reason in result.failed:  # typically a container (running or stopped) still uses it
         click.echo(f"in use, kept: {' '.join(image.tags) or image.image_id}: {reason}")
+
+
+BENCH_WORKLOAD_OPTIONS = ("lengths", "batch", "max_words", "seed")
+
+
+@cli.command("bench")
+@click.argument("targets", nargs=-1, required=True, metavar="[NAME=]TARGET...")
+@click.option("--lengths", default="lognormal:32", show_default=True, metavar="SPEC",
+              help="Words per text: fixed:N, lognormal:MEDIAN[:SIGMA] (sigma 0.8 unless given) or file:PATH "
+                   "(lines of your own text, sampled).")
+@click.option("--batch", type=int, default=8, show_default=True, help="Texts per request.")
+@click.option("--max-words", type=int, default=128, show_default=True,
+              help="A text is cut to this many words (keep it within the model's context: a server may refuse more).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the texts (and of the arrivals).")
+@click.option("--workload", "workload_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Repeat the workload of an earlier bench.json (instead of --lengths/--batch/--max-words/--seed).")
+@click.option("--clients", type=int, multiple=True,
+              help="A closed-loop run with this many clients; repeat for a curve (default 8 unless only --rate).")
+@click.option("--rate", "rates", type=float, multiple=True,
+              help="An open-loop run at this many requests/s (Poisson arrivals); repeatable.")
+@click.option("--sweep-p99", type=float, metavar="MS",
+              help="Find the highest request rate whose p99 latency stays at most MS milliseconds.")
+@click.option("--sweep-steps", type=int, default=6, show_default=True, help="Runs the sweep may take (12 at most).")
+@click.option("--duration", type=float, default=10.0, show_default=True, help="Seconds per run (600 at most).")
+@click.option("--requests", "max_requests", type=int, default=100_000, show_default=True,
+              help="Requests per run at most.")
+@click.option("--warmup", type=int, default=8, show_default=True, help="Unmeasured requests before the runs.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds a request may take.")
+@click.option("--max-in-flight", type=int, default=256, show_default=True,
+              help="Open loop: requests in flight at most; an arrival beyond it counts as a backlog error.")
+@click.option("--api", type=click.Choice(["auto", "openai", "tei"]), default="auto", show_default=True,
+              help="OpenAI's POST /v1/embeddings or TEI's POST /embed; auto tries OpenAI's first.")
+@click.option("--encoding", type=click.Choice(["float", "base64"]), default="float", show_default=True,
+              help="OpenAI's encoding_format: base64 is what OpenAI's Python client asks for (a fifth of the bytes).")
+@click.option("--api-key", envvar="MOPT_BENCH_API_KEY", show_envvar=True,
+              help="Bearer token for URL targets (never written to the result).")
+@click.option("--model", help="The model field of OpenAI requests (default: none; the server's own model).")
+@click.option("--gpus", type=click.Choice(["auto", "all", "none"]), default="auto", show_default=True,
+              help="Image targets: all GPUs, none, or auto (the image's io.mopt.device label).")
+@click.option("--start-timeout", type=float, default=300.0, show_default=True,
+              help="Seconds an image target may take to become ready.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="HOST",
+              help="A non-loopback host of yours that URL targets may name (repeatable).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("mopt-bench"),
+              show_default=True, help="Where bench.json, bench.md, bench.png and bench.html are written.")
+@click.pass_context
+def bench_cmd(ctx: click.Context, targets: tuple[str, ...], workload_file: Path | None, clients: tuple[int, ...],
+              rates: tuple[float, ...], allow_hosts: tuple[str, ...], out: Path, **options) -> None:
+    """Load embeddings servers side by side: an image (started hardened, removed after) or a server's URL
+    (OpenAI's /v1/embeddings or TEI's /embed); closed-loop clients, open-loop rates, and the highest rate
+    under a p99 target. Prints a table; writes JSON, a PNG chart and an HTML page. Exit 10 when a target
+    could not be measured."""
+    from .bench import output
+    from .bench.progress import Progress
+    from .bench.run import Settings, bench
+    from .bench.target import Target
+    from .bench.workload import Lengths, Workload
+    from .errors import BenchError
+
+    parsed = [Target.parse(text, allow_hosts) for text in targets]
+    names = [t.name for t in parsed]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"two targets are named alike ({', '.join(names)}): name them, e.g. a=URL b=IMAGE")
+    expect = None
+    if workload_file is not None:
+        given = [f"--{o.replace('_', '-')}" for o in BENCH_WORKLOAD_OPTIONS
+                 if ctx.get_parameter_source(o) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise ConfigError(f"--workload repeats a workload; it does not go with {', '.join(given)}")
+        workload, expect = Workload.from_json(workload_file)
+    else:
+        workload = Workload(Lengths.parse(options["lengths"]), batch=options["batch"],
+                            max_words=options["max_words"], seed=options["seed"])
+    settings = Settings(clients=clients or (() if rates and options["sweep_p99"] is None else (8,)), rates=rates,
+                        sweep_p99_ms=options["sweep_p99"], sweep_steps=options["sweep_steps"],
+                        duration_s=options["duration"], max_requests=options["max_requests"],
+                        warmup=options["warmup"], timeout_s=options["timeout"],
+                        max_in_flight=options["max_in_flight"], api=options["api"], encoding=options["encoding"],
+                        model=options["model"],
+                        gpus=options["gpus"], start_timeout_s=options["start_timeout"], api_key=options["api_key"])
+    progress = Progress(stderr)
+    progress.log(f"{len(parsed)} targets, {settings.runs_per_target} runs each of {settings.duration_s:g} s at most")
+    result = bench(parsed, workload, settings, expect_sha256=expect, progress=progress)
+    paths = output.write(result, out)
+    click.echo(output.markdown(result), nl=False)
+    progress.log(f"written: {', '.join(str(p) for p in paths)}")
+    failed = [t for t in result.targets if t.error]
+    if failed:
+        raise BenchError(f"{len(failed)} of {len(result.targets)} targets could not be measured: "
+                         + "; ".join(f"{t.target.name}: {t.error}" for t in failed))
 
 
 MAX_ERROR_CHARS = 2000

@@ -94,3 +94,10 @@ class IndexUnavailable(MoptError):
     Exit 9."""
 
     exit_code = 9
+
+
+class BenchError(MoptError):
+    """A bench target could not be measured: it did not start, could not be reached, or answered
+    something that is not an embeddings response (mopt bench). Exit 10."""
+
+    exit_code = 10

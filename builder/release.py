@@ -61,6 +61,23 @@ def _smoke(state: StateDir, matrix, variant: Variant, record: VariantRecord, row
     _say(f"{variant.id}: smoke test passed (cosine {result.min_cosine:.5f}, healthy after {result.start_seconds}s)")
 
 
+def _bench(matrix, variant: Variant, record: VariantRecord, row: VariantReport) -> None:
+    """A short bench of the tested image (builder/bench/run.py's release_bench) into the report; a bench that
+    fails is a note, not a failed variant: the image passed its smoke test."""
+    from .bench.progress import Progress
+    from .bench.run import release_bench
+
+    if matrix.image(variant.image).recipe.task != "embedding":
+        row.notes.append("bench: not run (mopt bench measures embeddings servers)")
+        return
+    _say(f"{variant.id}: bench")
+    row.bench = release_bench(variant.id, record.image_id, Progress(console))
+    if "error" in row.bench:
+        row.notes.append(f"bench: {row.bench['error']}")
+        return
+    _say(f"{variant.id}: {row.bench_text}")
+
+
 def _publish_item(state: StateDir, variant: Variant, record: VariantRecord, allow_substitute: bool):
     """The PublishItem for a variant whose smoke test passed for exactly this image. A substituted model
     is published only when asked for, and then only under its -substitute tags."""
@@ -172,19 +189,19 @@ def _size_check(matrix, variant: Variant, record: VariantRecord, row: VariantRep
 def run_release(matrix_path: str, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                 registry: str | None = None, dry_run: bool = False, fail_fast: bool = False,
                 allow_substitute: bool = False, record_dir: Path | None = None,
-                sign_keys: tuple[Path, ...] = ()) -> ReleaseReport:
+                sign_keys: tuple[Path, ...] = (), bench: bool = False) -> ReleaseReport:
     """Every step in one process holding the state dir's lock (statelock.py): a second build, test or
     publish on the same state dir waits for it. RECORD_DIR: publish long tags only, recorded there."""
     matrix = load_matrix(Path(matrix_path))  # a broken matrix is reported at once, not after the lock
     with state_lock(options.state.root, f"mopt {' + '.join(steps)}", log=_say):
         return _run_release(matrix, select, options, steps=steps, registry=registry, dry_run=dry_run,
                             fail_fast=fail_fast, allow_substitute=allow_substitute, record_dir=record_dir,
-                            sign_keys=sign_keys)
+                            sign_keys=sign_keys, bench=bench)
 
 
 def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, steps: tuple[str, ...],
                  registry: str | None, dry_run: bool, fail_fast: bool, allow_substitute: bool,
-                 record_dir: Path | None, sign_keys: tuple[Path, ...]) -> ReleaseReport:
+                 record_dir: Path | None, sign_keys: tuple[Path, ...], bench: bool = False) -> ReleaseReport:
     full = make_plan(matrix)
     plan = make_plan(matrix, select) if select else full
     report = ReleaseReport(started=time.time(), steps=list(steps), registry=registry or "",
@@ -224,6 +241,8 @@ def _run_release(matrix, select: tuple[str, ...], options: BuildOptions, *, step
                     row.substitute = f"{record.model.source} for {record.model.declared}: {record.model.why}"
                 if step == "test":
                     _smoke(state, matrix, variant, record, row)
+                    if bench:
+                        _bench(matrix, variant, record, row)
                 elif step == "publish":
                     pending.append((_publish_item(state, variant, record, allow_substitute), row))
                     attest_inputs[variant.id] = AttestInputs(variant, record, state, options.lock_file)

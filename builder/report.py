@@ -37,6 +37,15 @@ class VariantReport:
     smoke: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     substitute: str = ""  # the model inside when it is not the recipe's (tags end in -substitute)
+    bench: dict = field(default_factory=dict)  # release --bench: builder/bench/run.py's release_bench
+
+    @property
+    def bench_text(self) -> str:
+        """"21.4 req/s, p99 260 ms" from release --bench, "-" without one."""
+        if not self.bench or "error" in self.bench:
+            return "-" if not self.bench else "bench failed"
+        p99 = self.bench.get("p99_ms")
+        return f"{self.bench['requests_per_s']:.3g} req/s" + (f", p99 {p99:.0f} ms" if p99 is not None else "")
 
     @property
     def size_text(self) -> str:
@@ -54,6 +63,11 @@ class VariantReport:
             if getattr(self, status):
                 return status
         return "skipped"
+
+
+def _cell(v: VariantReport) -> str:
+    """A grid cell: the status, and the speed where release --bench measured it."""
+    return v.status + (f" ({v.bench_text})" if v.bench and "error" not in v.bench else "")
 
 
 @dataclass
@@ -84,8 +98,9 @@ class ReleaseReport:
                  f"variants: {len(self.variants)} | published {s['published']} | tested {s['tested']} | "
                  f"built {s['built']} | failed {s['failed']} | rebuilt {s['build_work']} | "
                  f"wall {self.finished - self.started:.1f} s", "",
-                 "| variant | status | built | tested | published | size | build s | test s | publish s | reason |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                 "| variant | status | built | tested | published | size | build s | test s | publish s | bench | "
+                 "reason |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         mark = {True: "yes", False: "-"}
         for v in self.variants:
             d = v.durations
@@ -93,7 +108,8 @@ class ReleaseReport:
             built = mark[v.built] + ("" if v.build_work or not v.built else " (cached)")
             reason = v.reason.replace("|", "\\|").replace("\n", " ")[:200] if v.reason else ""
             lines.append(f"| `{v.id}` | {v.status} | {built} | {mark[v.tested]} | {mark[v.published]} | {size} | "
-                         f"{d.get('build', '-')} | {d.get('test', '-')} | {d.get('publish', '-')} | {reason} |")
+                         f"{d.get('build', '-')} | {d.get('test', '-')} | {d.get('publish', '-')} | {v.bench_text} | "
+                         f"{reason} |")
         substitutes = [(v.id, v.substitute) for v in self.variants if v.substitute]
         if substitutes:
             lines += ["", "## substituted models (not the recipe's model; tagged -substitute)", ""]
@@ -134,7 +150,7 @@ class ReleaseReport:
         for title, grid in self._grid_data():
             sms, cells = grid["sms"], grid["cells"]
             rows = ["| cuda \\ sm | " + " | ".join(sms) + " |", "| --- |" + " --- |" * len(sms)]
-            rows += [f"| {c} | " + " | ".join(cells[(c, s)].status if (c, s) in cells else "n/a" for s in sms) + " |"
+            rows += [f"| {c} | " + " | ".join(_cell(cells[(c, s)]) if (c, s) in cells else "n/a" for s in sms) + " |"
                      for c in grid["cudas"]]
             grids[title] = "\n".join(rows)
         return grids

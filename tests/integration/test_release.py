@@ -116,13 +116,21 @@ def test_a_substitute_is_not_published_without_allow_substitute(registry, releas
     assert not [repo for repo in catalog(registry) if repo.startswith("refused/")]
 
 
-def test_second_release_does_no_build_work(registry, released):
+def test_second_release_does_no_build_work_and_benches_each_variant(registry, released):
     result = mopt("release", "--select", "*:cpu", "--registry", f"{registry.address}/ci", "--allow-substitute",
-                  docker_config=registry.docker_config)
+                  "--bench", docker_config=registry.docker_config)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "nothing was rebuilt" in result.stderr
     report = latest_report()
     assert report["summary"]["build_work"] == 0 and report["summary"]["published"] == 2
+    # --bench: a short bench of each tested image (4 clients, 5 s) in the report, next to its status.
+    for row in report["variants"]:
+        bench = row["bench"]
+        assert bench["requests_per_s"] > 0 and bench["p99_ms"] >= bench["p50_ms"] > 0, bench
+        assert bench["errors"] == {} and bench["tokens_per_s"] > 0
+    markdown = (STATE / "reports" / "latest.md").read_text()
+    assert markdown.count(" req/s, p99 ") == 2 and "| bench |" in markdown
+    assert "minilm-embed:cpu: " in result.stderr and " req/s, p99 " in result.stderr
     assert "docker build ->" not in result.stderr
     stage_lines = [line for line in result.stderr.splitlines()
                    if any(f"  {stage}: " in line for stage in ("base", "runtime", "compile", "final"))]

@@ -10,6 +10,7 @@ Shares .mopt/test-state with test_release.py, so on a warm machine this reuses t
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
 
@@ -87,6 +88,51 @@ def hardened_vllm(docker_cli, released):
         yield served.start(health_timeout_s=240), key
     finally:
         served.stop()
+
+
+def test_bench_compares_the_cpu_image_with_the_vllm_image_in_one_run(docker_cli, released, cpu_demo_image, tmp_path):
+    """mopt bench on the two real images of one model (each started hardened, then removed) and a third
+    target that is not there: the JSON, the chart, the sweep's answer within its bounds, the failure."""
+    _, _, report = released
+    vllm_image = next(v for v in report["variants"] if v["id"] == VARIANT)["image_id"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    out = tmp_path / "bench"
+    result = mopt_cli("bench", f"mopt={cpu_demo_image}", f"vllm={vllm_image}", f"gone=http://127.0.0.1:{closed_port}",
+                      "--clients", "1", "--clients", "4", "--sweep-p99", "1500", "--sweep-steps", "3",
+                      "--duration", "3", "--out", str(out))
+    assert result.returncode == 10, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"mopt: error: 1 of 3 targets could not be measured: gone: cannot reach http://127.0.0.1:{closed_port}")
+    data = json.loads((out / "bench.json").read_text())
+    mopt, vllm, gone = data["targets"]
+    assert mopt["image"]["id"] == cpu_demo_image and vllm["image"]["id"] == vllm_image
+    assert (mopt["image"]["backend"], vllm["image"]["backend"]) == ("torch-aot", "vllm")
+    for target in (mopt, vllm):
+        assert target["api"] == "openai" and target["dimension"] == 384 and not target["error"], target
+        assert target["start_seconds"] > 0 and set(target["host_load"]) == {"before", "after"}
+        assert [run["level"] for run in target["runs"]] == [1, 4]
+        for run in target["runs"]:
+            assert run["ok"] > 0 and run["errors"] == {} and run["tokens_per_s"] > 0, run
+            assert 0 < run["latency_ms"]["p50"] <= run["latency_ms"]["p99"] <= run["latency_ms"]["max"]
+        sweep = target["sweep"]
+        peak = max(run["requests_per_s"] for run in target["runs"])
+        assert sweep["peak_rate"] == round(peak, 3) and 0 <= sweep["answer_rate"] <= sweep["peak_rate"]
+        assert 1 <= len(sweep["steps"]) <= 3 and sweep["steps"][0]["rate"] == sweep["peak_rate"]
+        passed = [s["rate"] for s in sweep["steps"] if s["passed"]]
+        assert sweep["answer_rate"] == max(passed, default=0.0)
+        assert all(s["rate"] > sweep["answer_rate"] for s in sweep["steps"] if not s["passed"])
+        for step in sweep["steps"]:
+            assert step["passed"] == (not step["errors"] and step["latency_ms"]["p99"] is not None
+                                      and step["latency_ms"]["p99"] <= 1500), step
+    assert gone["runs"] == [] and gone["error"].startswith("cannot reach")
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "bench.html").read_text()
+    assert "<svg" in page and page.count('<tr data-target="mopt">') == 2 + len(mopt["sweep"]["steps"])
+    left = run_docker(["ps", "-aq", "--filter", "label=io.mopt.bench"], docker=docker_cli).stdout.split()
+    assert left == [], "a bench container was left behind"
+
 
 
 def test_vllm_image_serves_hardened_with_a_root_owned_cache(hardened_vllm):
