@@ -889,7 +889,8 @@ BENCH_WORKLOAD_OPTIONS = ("lengths", "batch", "max_words", "seed")
 @click.option("--batch", type=int, default=8, show_default=True, help="Texts per request.")
 @click.option("--max-words", type=int, default=128, show_default=True,
               help="A text is cut to this many words (keep it within the model's context: a server may refuse more).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the texts (and of the arrivals).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the texts and of the open-loop arrivals.")
 @click.option("--workload", "workload_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Repeat the workload of an earlier bench.json (instead of --lengths/--batch/--max-words/--seed).")
 @click.option("--clients", type=int, multiple=True,
@@ -905,7 +906,8 @@ BENCH_WORKLOAD_OPTIONS = ("lengths", "batch", "max_words", "seed")
 @click.option("--warmup", type=int, default=8, show_default=True, help="Unmeasured requests before the runs.")
 @click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds a request may take.")
 @click.option("--max-in-flight", type=int, default=256, show_default=True,
-              help="Open loop: requests in flight at most; an arrival beyond it counts as a backlog error.")
+              help="Open loop: requests in flight at most; an arrival beyond it counts as a backlog error. (Closed "
+                   "loop: one connection per client.)")
 @click.option("--api", type=click.Choice(["auto", "openai", "tei"]), default="auto", show_default=True,
               help="OpenAI's POST /v1/embeddings or TEI's POST /embed; auto tries OpenAI's first.")
 @click.option("--encoding", type=click.Choice(["float", "base64"]), default="float", show_default=True,
@@ -933,7 +935,7 @@ def bench_cmd(ctx: click.Context, targets: tuple[str, ...], workload_file: Path 
     from .bench.run import Settings, bench
     from .bench.target import Target
     from .bench.workload import Lengths, Workload
-    from .errors import BenchError
+    from .errors import BenchError, EnvironmentProblem
 
     parsed = [Target.parse(text, allow_hosts) for text in targets]
     names = [t.name for t in parsed]
@@ -956,10 +958,20 @@ def bench_cmd(ctx: click.Context, targets: tuple[str, ...], workload_file: Path 
                         max_in_flight=options["max_in_flight"], api=options["api"], encoding=options["encoding"],
                         model=options["model"],
                         gpus=options["gpus"], start_timeout_s=options["start_timeout"], api_key=options["api_key"])
+    try:  # where the results go is checked before anything runs, not after the measuring
+        out.mkdir(parents=True, exist_ok=True)
+        check = out / ".mopt-bench-write-check"
+        check.write_text("")
+        check.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
     progress = Progress(stderr)
     progress.log(f"{len(parsed)} targets, {settings.runs_per_target} runs each of {settings.duration_s:g} s at most")
     result = bench(parsed, workload, settings, expect_sha256=expect, progress=progress)
-    paths = output.write(result, out)
+    try:
+        paths = output.write(result, out)
+    except OSError as exc:
+        raise EnvironmentProblem(f"--out {out}: the results could not be written: {exc.strerror or exc}") from None
     click.echo(output.markdown(result), nl=False)
     progress.log(f"written: {', '.join(str(p) for p in paths)}")
     failed = [t for t in result.targets if t.error]

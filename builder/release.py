@@ -66,12 +66,13 @@ def _bench(matrix, variant: Variant, record: VariantRecord, row: VariantReport) 
     fails is a note, not a failed variant: the image passed its smoke test."""
     from .bench.progress import Progress
     from .bench.run import release_bench
+    from .bench.target import Target
 
     if matrix.image(variant.image).recipe.task != "embedding":
         row.notes.append("bench: not run (mopt bench measures embeddings servers)")
         return
     _say(f"{variant.id}: bench")
-    row.bench = release_bench(variant.id, record.image_id, Progress(console))
+    row.bench = release_bench(Target(variant.id, record.image_id, "image"), Progress(console))
     if "error" in row.bench:
         row.notes.append(f"bench: {row.bench['error']}")
         return

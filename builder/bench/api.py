@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from dataclasses import dataclass
 
 from ..errors import clipped
@@ -22,6 +23,15 @@ ENCODINGS = ("float", "base64")
 
 class BadAnswer(ValueError):
     """An answer that is not the embeddings response it should be (the message says what is wrong)."""
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+
+
+def printable(data: bytes | str, limit: int = 200) -> str:
+    """A server's text as one safe line: control characters (terminal escapes, newlines) as spaces, clipped."""
+    text = data.decode(errors="replace") if isinstance(data, bytes) else data
+    return clipped(" ".join(_CONTROL.sub(" ", text).split()), limit)
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,7 @@ class Api:
         try:
             payload = _loads(data)
         except ValueError:
-            raise BadAnswer(f"not JSON: {clipped(data[:120].decode(errors='replace'), 120)!r}") from None
+            raise BadAnswer(f"not JSON: {printable(data[:120], 120)!r}") from None
         if self.name == "tei":
             vectors = payload
             tokens = _int(headers.get("x-compute-tokens"))
@@ -58,8 +68,8 @@ class Api:
         dimensions = {len(v) if isinstance(v, list) else -1 for v in vectors}
         if len(dimensions) != 1 or -1 in dimensions or 0 in dimensions:
             raise BadAnswer(f"vectors of sizes {sorted(dimensions)[:4]}, not one dimension")
-        first = vectors[0]
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in first):
+        # The first element of every vector (checking every number would make the client the bottleneck).
+        if not all(isinstance(v[0], (int, float)) and not isinstance(v[0], bool) for v in vectors):
             raise BadAnswer("a vector holds something other than numbers")
         return dimensions.pop(), tokens
 

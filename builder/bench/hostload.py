@@ -25,8 +25,8 @@ class HostLoad:
 
 def _cpu_times(path: Path) -> tuple[int, int] | None:
     """(busy, total) jiffies from /proc/stat's first line, None when it cannot be read."""
-    try:
-        fields = [int(x) for x in path.read_text().splitlines()[0].split()[1:]]
+    try:  # user nice system idle iowait irq softirq steal [guest guest_nice: already counted in user and nice]
+        fields = [int(x) for x in path.read_text().splitlines()[0].split()[1:9]]
     except (OSError, ValueError, IndexError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait

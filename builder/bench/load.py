@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from .api import Api, BadAnswer
+from .api import Api, BadAnswer, printable
 
-MAX_ANSWER_BYTES = 64 * 1024 * 1024
+MAX_ANSWER_BYTES = 64 * 1024 * 1024  # one answer, at most
+ANSWER_BUDGET_BYTES = 2 * 1024**3  # every answer in flight together: the per-answer cap shrinks with concurrency
 USER_AGENT = "mopt-bench"
 TICK_S = 0.25
 
@@ -98,18 +99,22 @@ class Load:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.timeout_s, self.max_in_flight = timeout_s, max_in_flight
+        self.answer_cap = MAX_ANSWER_BYTES
 
-    def _session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=self.max_in_flight, limit_per_host=self.max_in_flight)
+    def _session(self, connections: int) -> aiohttp.ClientSession:
+        """A session of CONNECTIONS connections at most; an answer gets at most its share of the budget."""
+        self.answer_cap = max(1 << 20, min(MAX_ANSWER_BYTES, ANSWER_BUDGET_BYTES // connections))
+        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections)
         return aiohttp.ClientSession(connector=connector, headers=self.headers, auto_decompress=True,
                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     async def _one(self, session: aiohttp.ClientSession, index: int, tally: _Tally, since: float) -> None:
         """Send request INDEX; LATENCY counts from SINCE (its start, or its scheduled arrival)."""
         n = self.texts[index % len(self.bodies)]
-        try:
-            async with session.post(self.url, data=self.bodies[index % len(self.bodies)]) as response:
-                data = await _read_bounded(response)
+        try:  # never a redirect: it would take the load to a host the loopback rule did not check
+            async with session.post(self.url, data=self.bodies[index % len(self.bodies)],
+                                    allow_redirects=False) as response:
+                data = await _read_bounded(response, self.answer_cap)
                 if response.status != 200:
                     tally.errors[f"http_{response.status}"] += 1
                     return
@@ -130,10 +135,13 @@ class Load:
 
     async def probe(self) -> tuple[int, int | None]:
         """One request, strictly: its (dimension, tokens), or BadAnswer/aiohttp errors as they come."""
-        async with self._session() as session, session.post(self.url, data=self.bodies[0]) as response:
-            data = await _read_bounded(response)
+        async with self._session(1) as session, session.post(self.url, data=self.bodies[0],
+                                                              allow_redirects=False) as response:
+            data = await _read_bounded(response, self.answer_cap)
             if response.status != 200:
-                raise BadAnswer(f"HTTP {response.status}: {data[:200].decode(errors='replace')}")
+                where = f" to {printable(response.headers.get('Location', ''), 120)}" if response.status in (
+                    301, 302, 303, 307, 308) else ""
+                raise BadAnswer(f"HTTP {response.status}{where}: {printable(data[:300])}")
             return self.api.check(data, self.texts[0], response.headers)
 
     async def closed(self, clients: int, duration_s: float, max_requests: int,
@@ -141,7 +149,7 @@ class Load:
         tally = _Tally()
         counter = itertools.count()
         cpu = time.process_time()
-        async with self._session() as session:
+        async with self._session(clients) as session:  # a connection per client: none waits for one
             start = time.perf_counter()
             deadline = start + duration_s
 
@@ -165,7 +173,7 @@ class Load:
         tasks: set[asyncio.Task] = set()
         sent = 0
         cpu = time.process_time()
-        async with self._session() as session:
+        async with self._session(self.max_in_flight) as session:
             start = time.perf_counter()
             at = 0.0
             with _ticking(tick, start, duration_s):
@@ -174,8 +182,7 @@ class Load:
                     if at >= duration_s:
                         break
                     delay = start + at - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
+                    await asyncio.sleep(max(0.0, delay))  # also when late: the answers' tasks must run too
                     sent += 1
                     if len(tasks) >= self.max_in_flight:  # the server has fallen this far behind
                         tally.errors["backlog"] += 1
@@ -185,7 +192,7 @@ class Load:
                     task.add_done_callback(tasks.discard)
                 if tasks:
                     await asyncio.gather(*tasks)
-            wall = max(time.perf_counter() - start, duration_s if sent else 0.0)
+            wall = time.perf_counter() - start
         return _run("open", rate, sent, tally, wall, time.process_time() - cpu)
 
 
@@ -195,14 +202,14 @@ def _run(mode: str, level: float, sent: int, tally: _Tally, wall: float, cpu_s: 
                latencies_ms=tuple(sorted(tally.latencies)), client_cpu=cpu_s / wall if wall > 0 else 0.0)
 
 
-async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
-    if response.content_length is not None and response.content_length > MAX_ANSWER_BYTES:
-        raise BadAnswer(f"an answer of {response.content_length} bytes (more than {MAX_ANSWER_BYTES})")
+async def _read_bounded(response: aiohttp.ClientResponse, cap: int) -> bytes:
+    if response.content_length is not None and response.content_length > cap:
+        raise BadAnswer(f"an answer of {response.content_length} bytes (more than {cap})")
     chunks, size = [], 0
     async for chunk in response.content.iter_chunked(1 << 16):
         size += len(chunk)
-        if size > MAX_ANSWER_BYTES:
-            raise BadAnswer(f"an answer of more than {MAX_ANSWER_BYTES} bytes")
+        if size > cap:
+            raise BadAnswer(f"an answer of more than {cap} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 

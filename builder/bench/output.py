@@ -58,6 +58,11 @@ def chart(result: BenchResult, fmt: str) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
+    with matplotlib.rc_context({"text.parse_math": False}):  # a '$' in a name or path is text, not TeX
+        return _chart(result, fmt)
+
+
+def _chart(result: BenchResult, fmt: str) -> bytes:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(8, 5), dpi=110)
@@ -97,7 +102,7 @@ def html(result: BenchResult) -> str:
     svg = svg[svg.index("<svg"):]  # the XML prolog and doctype do not belong inside HTML
     rows: list[tuple[TargetResult, Run | None]] = []
     for t in result.targets:
-        rows += [(t, run) for run in t.points()] or [(t, None)]
+        rows += [(t, run) for run in t.points()] + ([(t, None)] if t.error else [])
     return template.render(result=result, data=result.to_json(), rows=rows, chart=svg)
 
 

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 
 from .. import __version__
-from ..errors import BenchError, ConfigError, MoptError, clipped
+from ..errors import BenchError, ConfigError, MoptError
 from . import hostload
-from .api import BY_NAME, ENCODINGS, OPENAI, TEI, Api, BadAnswer
+from .api import BY_NAME, ENCODINGS, OPENAI, TEI, Api, BadAnswer, printable
 from .load import Load, Run
 from .progress import Progress
 from .sweep import MAX_STEPS, Sweep, sweep
@@ -29,6 +29,7 @@ MAX_DURATION_S = 600.0
 MAX_REQUESTS = 1_000_000
 MAX_IN_FLIGHT = 4096
 MAX_RUNS = 32  # per target: closed + open runs + sweep steps
+MAX_TARGETS = 16
 CLIENT_CPU_WARN = 0.8  # of one core: past it, the client (one event loop) may limit what is measured
 
 
@@ -74,6 +75,10 @@ class Settings:
         bound("--warmup", self.warmup, 0, 1000)
         bound("--timeout (s)", self.timeout_s, 1, 600)
         bound("--max-in-flight", self.max_in_flight, 1, MAX_IN_FLIGHT)
+        bound("--start-timeout (s)", self.start_timeout_s, 1, 3600)
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable() and self.api_key):
+            raise ConfigError("--api-key (MOPT_BENCH_API_KEY) is empty or holds a control or non-ASCII character "
+                              "(a CR or LF read from a file?)")
         if self.runs_per_target > MAX_RUNS:
             raise ConfigError(f"{self.runs_per_target} runs per target: at most {MAX_RUNS}")
         if self.api not in API_CHOICES or self.gpus not in GPUS or self.encoding not in ENCODINGS:
@@ -137,8 +142,10 @@ def _iso(stamp: float) -> str:
 def bench(targets: list[Target], workload: Workload, settings: Settings, *, expect_sha256: str | None = None,
           progress: Progress | None = None) -> BenchResult:
     progress = progress or Progress()
+    if len(targets) > MAX_TARGETS:
+        raise ConfigError(f"{len(targets)} targets: at most {MAX_TARGETS} in one run")
     requests = workload.requests()
-    if expect_sha256 and digest(requests) != expect_sha256:
+    if expect_sha256 is not None and digest(requests) != expect_sha256:
         raise ConfigError("--workload: this mopt draws other texts from that spec (sha256 differs); the run "
                           "would not repeat it")
     result = BenchResult(workload.to_json(requests), settings)
@@ -146,15 +153,25 @@ def bench(targets: list[Target], workload: Workload, settings: Settings, *, expe
         row = TargetResult(target)
         result.targets.append(row)
         try:
-            _bench_target(row, requests, settings, progress)
+            _bench_target(row, requests, workload.seed, settings, progress)
         except (MoptError, BadAnswer) as exc:
-            row.error = str(exc)
+            row.error = _safe(str(exc), settings.api_key)
+        except Exception as exc:  # noqa: BLE001 - one target's surprise must not lose the others' figures
+            row.error = _safe(f"unexpected {type(exc).__name__}: {exc}", settings.api_key)
+        if row.error:
             progress.log(f"{target.name}: FAILED: {row.error}")
     result.finished = time.time()
     return result
 
 
-def _bench_target(row: TargetResult, requests: list[list[str]], settings: Settings, progress: Progress) -> None:
+def _safe(text: str, api_key: str | None) -> str:
+    """An error as stored and shown: one printable line, and never the API key (a server may echo it)."""
+    text = printable(text, 600)
+    return text.replace(api_key, "***") if api_key else text
+
+
+def _bench_target(row: TargetResult, requests: list[list[str]], seed: int, settings: Settings,
+                  progress: Progress) -> None:
     target, log = row.target, progress.log
     before = hostload.sample()
     row.host_load["before"] = before.to_json()
@@ -169,9 +186,9 @@ def _bench_target(row: TargetResult, requests: list[list[str]], settings: Settin
             with Started(target, image, settings.gpus, settings.start_timeout_s) as started:
                 row.start_seconds = round(started.start_seconds, 2)
                 log(f"{target.name}: ready after {row.start_seconds}s at {started.base_url}")
-                _measure(row, started.base_url, requests, settings, progress)
+                _measure(row, started.base_url, requests, seed, settings, progress)
         else:
-            _measure(row, target.ref, requests, settings, progress)
+            _measure(row, target.ref, requests, seed, settings, progress)
     finally:
         after = hostload.sample()
         row.host_load["after"] = after.to_json()
@@ -180,7 +197,7 @@ def _bench_target(row: TargetResult, requests: list[list[str]], settings: Settin
             log(f"{target.name}: warning: {warning}")
 
 
-def _measure(row: TargetResult, base_url: str, requests: list[list[str]], settings: Settings,
+def _measure(row: TargetResult, base_url: str, requests: list[list[str]], seed: int, settings: Settings,
              progress: Progress) -> None:
     name = row.target.name
     api = asyncio.run(_find_api(name, base_url, requests, settings))
@@ -207,11 +224,9 @@ def _measure(row: TargetResult, base_url: str, requests: list[list[str]], settin
     for clients in settings.clients:
         row.runs.append(run(f"{clients} clients", lambda tick, c=clients: load.closed(
             c, settings.duration_s, settings.max_requests, tick)))
-    seed = 0
-    for rate in settings.rates:
-        seed += 1
-        row.runs.append(run(f"{rate:g} req/s", lambda tick, r=rate, s=seed: load.open(
-            r, settings.duration_s, settings.max_requests, s, tick)))
+    for index, rate in enumerate(settings.rates):  # arrivals drawn from the workload's seed, another per run
+        row.runs.append(run(f"{rate:g} req/s", lambda tick, r=rate, i=index: load.open(
+            r, settings.duration_s, settings.max_requests, arrival_seed(seed, i), tick)))
     if settings.sweep_p99_ms is not None:
         peak = max((r for r in row.runs if r.mode == "closed"), key=lambda r: r.requests_per_s)
         if not peak.ok:
@@ -219,27 +234,41 @@ def _measure(row: TargetResult, base_url: str, requests: list[list[str]], settin
 
         def measure(rate: float) -> Run:
             return run(f"sweep {rate:.3g} req/s", lambda tick: load.open(
-                rate, settings.duration_s, settings.max_requests, int(rate * 1000), tick))
+                rate, settings.duration_s, settings.max_requests, arrival_seed(seed, round(rate * 1000)), tick))
 
         row.sweep = sweep(measure, peak.requests_per_s, settings.sweep_p99_ms, settings.sweep_steps)
         log(f"{name}: the highest rate with p99 <= {settings.sweep_p99_ms:g} ms: {row.sweep.answer:.3g} req/s")
 
 
+def arrival_seed(workload_seed: int, run: int) -> int:
+    """The seed of one open-loop run's arrivals: from the workload's --seed, another for each run."""
+    return workload_seed * 1_000_003 + run
+
+
 async def _find_api(name: str, base_url: str, requests: list[list[str]], settings: Settings) -> Api:
-    """The API named, or (auto) OpenAI's where the server has it, else TEI's."""
+    """The API named, or (auto) OpenAI's where the server answers it; TEI's where OpenAI's route is missing
+    (404/405) and TEI's answers. A 404 for another reason (vLLM's unknown --model) stays OpenAI's, so the
+    strict request reports it."""
     if settings.api != "auto":
         return BY_NAME[settings.api]
-    probe = Load(base_url, OPENAI, [OPENAI.body(requests[0][:1], settings.model)], [1], api_key=settings.api_key,
-                 timeout_s=settings.timeout_s, max_in_flight=1)
     try:
-        await probe.probe()
+        await _probe(base_url, OPENAI, requests, settings)
         return OPENAI
     except BadAnswer as exc:
-        if str(exc).startswith(("HTTP 404", "HTTP 405")):
-            return TEI
-        return OPENAI  # the strict request below says what is wrong
+        if not str(exc).startswith(("HTTP 404", "HTTP 405")):
+            return OPENAI  # the strict request says what is wrong
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         raise BenchError(f"cannot reach {base_url}: {_reason(exc)}") from None
+    try:
+        await _probe(base_url, TEI, requests, settings)
+        return TEI
+    except (BadAnswer, aiohttp.ClientError, OSError, TimeoutError):
+        return OPENAI
+
+
+async def _probe(base_url: str, api: Api, requests: list[list[str]], settings: Settings) -> tuple[int, int | None]:
+    return await Load(base_url, api, [api.body(requests[0][:1], settings.model, settings.encoding)], [1],
+                      api_key=settings.api_key, timeout_s=settings.timeout_s, max_in_flight=1).probe()
 
 
 async def _strict(name: str, load: Load) -> tuple[int, int | None]:
@@ -252,8 +281,7 @@ async def _strict(name: str, load: Load) -> tuple[int, int | None]:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return clipped(" ".join(text.split()), 200)
+    return printable(str(exc) or type(exc).__name__)
 
 
 def _errors(errors: dict) -> str:
@@ -274,13 +302,18 @@ RELEASE_WORKLOAD = Workload(Lengths.parse("lognormal:32"), batch=8, max_words=12
 RELEASE_SETTINGS = Settings(clients=(4,), duration_s=5.0, warmup=4)
 
 
-def release_bench(name: str, image_ref: str, progress: Progress | None = None) -> dict:
-    """A closed-loop run of 4 clients for 5 s on the image: the release report's figures, or its error."""
-    result = bench([Target(name, image_ref, "image")], RELEASE_WORKLOAD, RELEASE_SETTINGS, progress=progress)
+def release_bench(target: Target, progress: Progress | None = None) -> dict:
+    """A closed-loop run of 4 clients for 5 s on the target (the tested image): the release report's figures,
+    or {"error": why} when it could not be measured or any request failed."""
+    result = bench([target], RELEASE_WORKLOAD, RELEASE_SETTINGS, progress=progress)
     row = result.targets[0]
     if row.error:
         return {"error": row.error}
     run = row.runs[0].to_json()
+    if run["errors"] or not run["ok"]:
+        failed = sum(run["errors"].values())
+        return {"error": f"{failed} of {run['sent']} requests failed ({_errors(run['errors'])}); "
+                         f"{run['ok']} answered"}
     return {"workload": f"{RELEASE_WORKLOAD.lengths} words x {RELEASE_WORKLOAD.batch} texts, 4 clients, 5 s",
             "requests_per_s": run["requests_per_s"], "tokens_per_s": run["tokens_per_s"],
             "p50_ms": run["latency_ms"]["p50"], "p99_ms": run["latency_ms"]["p99"], "errors": run["errors"],

@@ -9,17 +9,19 @@ a load generator pointed at someone else's server is an attack, not a benchmark.
 """
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import re
+import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import aiohttp
 
 from ..dockerclient import candidate_paths
 from ..errors import BenchError, ConfigError, EnvironmentProblem, clipped, quoted
@@ -29,10 +31,10 @@ HARDENED = ("--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL", "--security-o
 DEFAULT_PORT = 8000
 PULL_TIMEOUT_S = 1800
 DOCKER_TIMEOUT_S = 120
-IMAGE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,510}$")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
-LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+IMAGE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,510}")  # fullmatch: no newline at the end
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 GPUS = ("auto", "all", "none")
+READY_TIMEOUT_S = 2.0  # one /ready or /health probe, whole (a server that drips bytes gets no longer)
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,12 @@ class Target:
         name, sep, ref = text.partition("=")
         if not sep or "://" in name or "/" in name or ":" in name:
             name, ref = "", text
-        if name and not NAME.match(name):
+        if name and not NAME.fullmatch(name):
             raise ConfigError(f"target name {quoted(name)}: use letters, digits, '.', '_', '+' or '-' (64 at most)")
         if "://" in ref:
             url = _checked_url(ref, allow_hosts)
             return cls(name or urlsplit(url).netloc, url, "url")
-        if not IMAGE_REF.match(ref) or ".." in ref:
+        if not IMAGE_REF.fullmatch(ref) or ".." in ref:
             raise ConfigError(f"target {quoted(text)}: neither an http(s):// URL nor an image reference")
         return cls(name or ref.rsplit("/", 1)[-1][:64], ref, "image")
 
@@ -78,12 +80,16 @@ def _checked_url(url: str, allow_hosts: tuple[str, ...]) -> str:
 
 
 def _loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
+    """An address on loopback, or a name every address of which is (what /etc/hosts says of localhost)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
         return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def _docker_path() -> str:
@@ -150,8 +156,11 @@ class Started:
         self.cid = docker("run", "-d", "--label", f"{LABEL}={self.run_id}", *HARDENED, *gpu,
                           "-p", f"127.0.0.1::{self.image.port}", self.image.image_id).stdout.strip()
         try:
-            mapping = docker("port", self.cid, f"{self.image.port}/tcp").stdout.splitlines()[0]
-            self.base_url = f"http://127.0.0.1:{int(mapping.rsplit(':', 1)[1])}"
+            mapping = docker("port", self.cid, f"{self.image.port}/tcp").stdout.split()
+            try:
+                self.base_url = f"http://127.0.0.1:{int(mapping[0].rsplit(':', 1)[1])}"
+            except (IndexError, ValueError):
+                raise BenchError(f"docker port named no host port for {self.image.port}: {mapping[:2]}") from None
             self.start_seconds = self._wait_ready()
         except BaseException:
             self.__exit__(None, None, None)
@@ -177,18 +186,20 @@ class Started:
             docker("rm", "-f", self.cid, check=False)
 
 
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-
-
 def ready(base_url: str) -> bool:
-    """mopt answers /ready 200 once its engine is loaded; servers without /ready (vLLM, TEI) /health."""
-    for path in ("/ready", "/health"):
-        try:
-            with _OPENER.open(base_url + path, timeout=2) as response:
-                return response.status == 200
-        except urllib.error.HTTPError as exc:
-            if exc.code != 404:
-                return False
-        except (OSError, ValueError):
-            return False
+    """mopt answers /ready 200 once its engine is loaded; servers without /ready (vLLM, TEI) /health. Each
+    probe is bounded as a whole, and anything that is not an HTTP answer is a no."""
+    return asyncio.run(_ready(base_url))
+
+
+async def _ready(base_url: str) -> bool:
+    timeout = aiohttp.ClientTimeout(total=READY_TIMEOUT_S)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:  # no trust_env: never through a proxy
+            for path in ("/ready", "/health"):
+                async with session.get(base_url + path, allow_redirects=False) as response:
+                    if response.status != 404:
+                        return response.status == 200
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return False
     return False

@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
+import re
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,7 +27,10 @@ WORDS = tuple(("the quick brown fox jumps over a lazy dog while engineers ship i
 MAX_WORDS = 8192  # per text: far past any embedding model's context, short of a memory problem
 MAX_BATCH = 2048  # texts per request
 MAX_DISTINCT = 4096  # distinct requests drawn (a run cycles through them)
-MAX_FILE_BYTES = 64 * 1024 * 1024
+MAX_FILE_BYTES = 64 * 1024 * 1024  # a file:PATH of texts
+MAX_WORKLOAD_BYTES = 16 * 1024 * 1024  # a --workload file (an earlier bench.json)
+MAX_TOTAL_WORDS = 1 << 25  # distinct x batch x max_words: about 200 MB of drawn text at most
+SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_SIGMA = 3.0
 DEFAULT_SIGMA = 0.8
 
@@ -88,6 +94,11 @@ class Workload:
                 raise ConfigError(f"{name} must be 1..{top}, got {value}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"--seed must be 0..2^63-1, got {self.seed}")
+        # Each bound alone is not a bound on the whole: the texts drawn are distinct x batch, each up to max_words.
+        total = self.distinct * self.batch * self.max_words
+        if total > MAX_TOTAL_WORDS:
+            raise ConfigError(f"{self.distinct} requests x --batch {self.batch} x --max-words {self.max_words} = "
+                              f"{total:,} words to draw, more than {MAX_TOTAL_WORDS:,}: lower --batch or --max-words")
 
     def requests(self) -> list[list[str]]:
         """DISTINCT requests of BATCH texts each, drawn with SEED: the same on every host."""
@@ -113,23 +124,50 @@ class Workload:
                                "words": {"min": words[0], "median": words[len(words) // 2], "max": words[-1],
                                          "mean": round(sum(words) / len(words), 1)}}
         if self.lengths.kind == "file":
-            data["file_sha256"] = hashlib.sha256(Path(self.lengths.path).read_bytes()).hexdigest()
+            data["file_sha256"] = hashlib.sha256(read_regular(Path(self.lengths.path), MAX_FILE_BYTES,
+                                                              "--lengths file:")).hexdigest()
         return data
 
     @classmethod
     def from_json(cls, path: Path) -> tuple[Workload, str]:
-        """The workload an earlier result (bench.json) or workload file names, and its sha256."""
+        """The workload an earlier result (bench.json) or workload file names, and its sha256. The sha256 is
+        required: it is what makes a shared file safe to run (a spec naming file:/etc/... draws nothing
+        unless its texts hash to what the file says, which only someone who has them can write)."""
+        where = f"--workload {path}"
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_regular(path, MAX_WORKLOAD_BYTES, "--workload "), parse_constant=_no_constant)
             spec = data.get("workload", data)
-            workload = cls(lengths=Lengths.parse(str(spec["lengths"])), batch=int(spec["batch"]),
-                           max_words=int(spec["max_words"]), distinct=int(spec["distinct"]), seed=int(spec["seed"]))
-            return workload, str(spec["sha256"])
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"--workload {path}: cannot read it: {exc}") from None
+            numbers = {name: spec[name] for name in ("batch", "max_words", "distinct", "seed")}
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
+                raise ValueError(f"batch, max_words, distinct and seed must be integers: {numbers}")
+            sha = spec["sha256"]
+            if not isinstance(sha, str) or not SHA256.fullmatch(sha):
+                raise ValueError("its sha256 of the drawn texts is missing or not 64 hex digits")
+            workload = cls(lengths=Lengths.parse(str(spec["lengths"])), **numbers)
+            return workload, sha
+        except (UnicodeDecodeError, RecursionError) as exc:
+            raise ConfigError(f"{where}: cannot read it as JSON: {clipped(str(exc), 120)}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"--workload {path}: not a mopt bench result or workload: {clipped(repr(exc), 120)}") \
-                from None
+            raise ConfigError(f"{where}: not a mopt bench result or workload: {clipped(str(exc), 160)}") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a workload can hold")
+
+
+def read_regular(path: Path, limit: int, what: str) -> bytes:
+    """PATH's bytes: a regular file of at most LIMIT bytes (not a device, FIFO or directory), else one line."""
+    try:
+        with open(path, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"{what}{path}: not a regular file")
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise ConfigError(f"{what}{path}: cannot read it: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what}{path}: more than {limit} bytes")
+    return data
 
 
 def digest(requests: list[list[str]]) -> str:
@@ -138,11 +176,8 @@ def digest(requests: list[list[str]]) -> str:
 
 def _file_lines(path: Path) -> list[str]:
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise ConfigError(f"--lengths file:{path}: {size} bytes, more than {MAX_FILE_BYTES}")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_regular(path, MAX_FILE_BYTES, "--lengths file:").decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"--lengths file:{path}: cannot read it as UTF-8 text: {exc}") from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:

@@ -137,6 +137,23 @@ def test_second_release_does_no_build_work_and_benches_each_variant(registry, re
     assert len(stage_lines) == 8 and all("up to date" in line for line in stage_lines), stage_lines
 
 
+def test_bench_pulls_a_published_image_it_does_not_have(docker_cli, registry, released, tmp_path):
+    """mopt bench on a registry reference that is not in the daemon: pulled (with the user's docker login),
+    started, measured, removed; its image id is the published one."""
+    _, report = released
+    row = next(v for v in report["variants"] if v["id"] == "minilm-embed:cpu")
+    ref = f"{registry.address}/ci/minilm-embed:{row['long_tag']}"
+    run_docker(["image", "rm", ref], docker=docker_cli, check=False)  # the tag only: the image stays
+    result = mopt("bench", ref, "--clients", "2", "--duration", "2", "--warmup", "2", "--out", str(tmp_path),
+                  docker_config=registry.docker_config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{ref}: not here; pulling it" in result.stderr
+    target = json.loads((tmp_path / "bench.json").read_text())["targets"][0]
+    assert target["image"]["id"] == row["image_id"] and target["image"]["variant"] == "minilm-embed:cpu"
+    assert target["runs"][0]["ok"] > 0 and target["runs"][0]["errors"] == {}
+    assert run_docker(["ps", "-aq", "--filter", "label=io.mopt.bench"], docker=docker_cli).stdout.split() == []
+
+
 def test_no_secret_in_image_or_logs(docker_cli, registry, released, tmp_path):
     _, report = released
     row = next(v for v in report["variants"] if v["id"] == "minilm-embed:cpu")

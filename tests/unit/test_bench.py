@@ -15,6 +15,8 @@ import struct
 import subprocess
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -527,3 +529,187 @@ def test_mopt_bench_errors_are_one_line_with_their_exit_codes(tmp_path):
         result = run_mopt("bench", *args, "--out", str(tmp_path / "x"))
         assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "x").exists()  # refused before anything ran
+
+
+# -- what a review found, as an attacker or a careless server would do it ----------------------------
+
+def _one_target(stub, **settings) -> TargetResult:
+    workload = Workload(Lengths.parse("fixed:2"), batch=1, distinct=2)
+    return bench([Target.parse(f"t={stub.endpoint}")], workload, Settings(**({"clients": (1,), "duration_s": 1.0,
+                                                                              "warmup": 0} | settings))).targets[0]
+
+
+def test_a_redirect_never_takes_the_load_elsewhere():
+    with BenchStub() as elsewhere, BenchStub(mode="redirect") as stub:
+        stub.redirect_to = elsewhere.endpoint
+        row = _one_target(stub)
+        counted = asyncio.run(_load(stub).closed(1, 30, 3))
+    assert row.error.startswith("POST ") and f"HTTP 307 to {elsewhere.endpoint}/v1/embeddings" in row.error
+    assert counted.errors == {"http_307": 3} and elsewhere.seen == 0
+
+
+def test_the_api_key_is_never_shown_even_when_the_server_echoes_it():
+    with BenchStub(mode="echo") as stub:
+        row = _one_target(stub, api_key="SEKRET123")
+    assert "HTTP 401" in row.error and "Bearer ***" in row.error and "SEKRET123" not in json.dumps(row.to_json())
+
+
+def test_server_text_is_one_printable_line():
+    with BenchStub(mode="escapes") as stub:
+        row = _one_target(stub)
+    assert "HTTP 400: line1 line2 | x [2J [31mRED [0m ]0;title" in row.error
+    assert not any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in row.error)
+    assert "\n" not in output.markdown(BenchResult({"lengths": "fixed:2", "words": {"min": 2, "median": 2, "max": 2},
+                                                    "batch": 1, "seed": 0, "sha256": "0" * 64}, Settings(),
+                                                   targets=[row])).split("| t | failed |")[1].split("|")[-2]
+
+
+def test_every_vector_is_checked_not_only_the_first():
+    with BenchStub(mode="strings") as stub:
+        run = asyncio.run(_load(stub, texts=3).closed(1, 30, 2))
+    assert run.errors == {"bad_response": 2}
+
+
+def test_each_client_gets_its_own_connection_whatever_max_in_flight_says():
+    with BenchStub(delay_s=0.3) as stub:
+        run = asyncio.run(_load(stub, max_in_flight=2).closed(6, duration_s=30, max_requests=12))
+    assert run.ok == 12 and stub.most_at_once == 6
+
+
+def test_an_open_loop_ended_by_its_request_bound_reports_its_real_time():
+    with BenchStub() as stub:
+        run = asyncio.run(_load(stub).open(50, duration_s=10, max_requests=20, seed=3))
+    assert run.sent == 20 and run.wall_s < 3 and run.requests_per_s > 10
+
+
+def test_arrivals_follow_the_workload_seed():
+    from builder.bench.run import arrival_seed
+
+    with BenchStub() as stub:
+        sent = {seed: asyncio.run(_load(stub).open(40, 0.5, 1000, arrival_seed(seed, 0))).sent for seed in (0, 9, 123)}
+    assert len(set(sent.values())) > 1 and arrival_seed(0, 1) != arrival_seed(1, 0)
+
+
+def test_tei_is_chosen_only_when_its_route_answers():
+    with BenchStub(mode="status", status=404) as stub:  # 404 on both routes (vLLM's unknown model, say)
+        row = _one_target(stub)
+    assert row.api == "openai" and "POST " in row.error and "/v1/embeddings did not answer" in row.error
+
+
+def test_a_failure_after_some_runs_is_on_the_page(sample):
+    failed_late = TargetResult(Target("late", "http://127.0.0.1:1", "url"), runs=[sample.targets[0].runs[0]],
+                               error="no closed-loop request was answered")
+    page = output.html(BenchResult(sample.workload, sample.settings, targets=[failed_late]))
+    assert "no closed-loop request was answered" in page and page.count('<tr data-target="late">') == 2
+
+
+def test_a_dollar_in_a_name_is_text_in_the_chart(sample):
+    named = TargetResult(Target("a$b$c", "http://127.0.0.1:1", "url"), runs=list(sample.targets[0].runs))
+    assert output.chart(BenchResult(sample.workload, sample.settings, targets=[named]), "png")[:4] == b"\x89PNG"
+
+
+def test_release_bench_reports_failed_requests_as_an_error():
+    from builder.bench.run import RELEASE_SETTINGS, release_bench
+
+    quick = replace(RELEASE_SETTINGS, duration_s=1.0, warmup=0)
+    with BenchStub(mode="status") as stub, pytest.MonkeyPatch.context() as patch:
+        patch.setattr("builder.bench.run.RELEASE_SETTINGS", quick)
+        refused = release_bench(Target("v", stub.endpoint, "url"))
+    assert refused == {"error": f"POST {stub.endpoint}/v1/embeddings did not answer as an embeddings server: "
+                                "HTTP 503: {\"error\": {\"message\": \"busy\"}}"}
+    with BenchStub() as stub, pytest.MonkeyPatch.context() as patch:
+        stub.fail_after = 5  # the API probes and a few requests pass, then 503s
+        patch.setattr("builder.bench.run.RELEASE_SETTINGS", quick)
+        failing = release_bench(Target("v", stub.endpoint, "url"))
+    assert re.fullmatch(r"\d+ of \d+ requests failed \(http_503 \d+\); \d+ answered", failing["error"]), failing
+    with BenchStub() as stub, pytest.MonkeyPatch.context() as patch:
+        patch.setattr("builder.bench.run.RELEASE_SETTINGS", quick)
+        good = release_bench(Target("v", stub.endpoint, "url"))
+    assert good["requests_per_s"] > 0 and good["errors"] == {} and "4 clients, 5 s" in good["workload"]
+
+
+def _raw_server(answer: bytes, drip_s: float = 0.0):
+    """A socket server that sends ANSWER (byte by byte every DRIP_S when set) to whoever connects."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    sock.settimeout(10)
+
+    def serve():
+        try:
+            conn, _ = sock.accept()
+            with conn:
+                for i in range(len(answer)):
+                    conn.sendall(answer[i:i + 1] if drip_s else answer[i:])
+                    if not drip_s:
+                        break
+                    time.sleep(drip_s)
+        except OSError:
+            pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("answer, drip_s", [(b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100, 0.2),
+                                            (b"SSH-2.0-OpenSSH_9.6\r\n", 0.0)])
+def test_readiness_probes_are_bounded_and_never_crash(answer, drip_s):
+    from builder.bench.target import ready
+
+    sock, url = _raw_server(answer, drip_s)
+    started = time.monotonic()
+    with sock:
+        assert ready(url) is False
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"workload": {"lengths": "fixed:3", "batch": 1, "max_words": 4, "distinct": 2, "seed": 0, "sha256": ""}}',
+     "missing or not 64 hex"),
+    ('{"workload": {"lengths": "fixed:3", "batch": Infinity, "max_words": 4, "distinct": 2, "seed": 0}}',
+     "Infinity is not a number"),
+    ('{"workload": {"lengths": "fixed:3", "batch": 1.5, "max_words": 4, "distinct": 2, "seed": 0, "sha256": "a"}}',
+     "must be integers"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read it as JSON"),
+])
+def test_a_crafted_workload_file_is_one_line(tmp_path, content, says):
+    path = tmp_path / "w.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        Workload.from_json(path)
+
+
+def test_special_files_and_huge_totals_are_refused(tmp_path):
+    for spec in ("file:/dev/zero", f"file:{tmp_path}"):
+        with pytest.raises(ConfigError, match="not a regular file|cannot read it"):
+            Workload(Lengths.parse(spec)).requests()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        Workload.from_json(Path("/dev/zero"))
+    with pytest.raises(ConfigError, match=r"words to draw, more than 33,554,432"):
+        Workload(Lengths.parse("fixed:8192"), batch=2048, max_words=8192)
+
+
+@pytest.mark.parametrize("text", ["a\n=http://127.0.0.1:1", "img\n", "http://example.invalid:80"])
+def test_trailing_newlines_and_unresolvable_names_are_refused(text):
+    with pytest.raises(ConfigError):
+        Target.parse(text)
+
+
+@pytest.mark.parametrize("changes, says", [(dict(start_timeout_s=float("nan")), "--start-timeout"),
+                                           (dict(start_timeout_s=float("inf")), "--start-timeout"),
+                                           (dict(api_key="SEKRET\r"), "control or non-ASCII"),
+                                           (dict(api_key=""), "is empty")])
+def test_more_settings_are_bounded(changes, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        Settings(clients=(1,), **changes)
+
+
+def test_too_many_targets_and_an_unwritable_out_stop_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match="17 targets: at most 16"):
+        bench([Target(f"t{i}", "http://127.0.0.1:1", "url") for i in range(17)], Workload(Lengths.parse("fixed:1")),
+              Settings(clients=(1,)))
+    (tmp_path / "file").write_text("")
+    with BenchStub() as stub:
+        result = run_mopt("bench", stub.endpoint, "--out", str(tmp_path / "file" / "sub"), "--duration", "1")
+    assert result.returncode == 2 and "--out" in result.stderr and "cannot write there" in result.stderr
+    assert stub.seen == 0
