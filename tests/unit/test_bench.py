@@ -8,11 +8,9 @@ import asyncio
 import base64
 import json
 import re
-import shutil
 import socket
 import statistics
 import struct
-import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -29,9 +27,8 @@ from builder.bench.target import Target
 from builder.bench.workload import Lengths, Workload, digest
 from builder.errors import ConfigError
 from tests.benchstub import DIMENSION, BenchStub
+from tests.chromium import CHROMIUM, dump_dom
 from tests.conftest import run_mopt
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(autouse=True)
@@ -452,16 +449,9 @@ def test_the_page_renders_in_headless_chromium(sample, tmp_path):
       document.body.setAttribute('data-lines', document.querySelectorAll('#chart svg path').length);
       document.body.setAttribute('data-rows', document.querySelectorAll('#runs tr[data-target]').length);
       document.body.setAttribute('data-red', getComputedStyle(document.querySelector('td.failed')).backgroundColor);
-    </script></body>"""
-    path = tmp_path / "bench.html"
-    path.write_text(page.replace("</body>", probe))
-    result = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()],
-        capture_output=True, text=True, timeout=120)
-    body = re.search(r"<body([^>]*)>", result.stdout)
-    assert body, result.stderr[-800:]
+    </script>"""
+    body = re.search(r"<body([^>]*)>", dump_dom(page, probe, tmp_path))
+    assert body
     attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', body.group(1)))
     assert int(attrs["svg"]) > 300 and int(attrs["lines"]) > 10 and int(attrs["rows"]) >= 5
     assert attrs["red"] == "rgb(215, 58, 73)"

@@ -3,14 +3,11 @@ Chromium (Debian's chromium, installed by scripts/setup.sh) and inspected."""
 import html
 import json
 import re
-import shutil
-import subprocess
 
 import pytest
 
 from builder.report import ReleaseReport, VariantReport
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+from tests.chromium import CHROMIUM, dump_dom
 
 
 def sample() -> ReleaseReport:
@@ -73,16 +70,9 @@ def test_html_renders_in_headless_chromium(tmp_path):
         td.setAttribute('data-w', td.getBoundingClientRect().width > 0 ? 'visible' : 'hidden');
       }
       document.body.setAttribute('data-rendered', 'yes');
-    </script></body>"""
-    path = tmp_path / "report.html"
-    path.write_text(page.replace("</body>", probe))
-    result = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()],
-        capture_output=True, text=True, timeout=120)
-    dom = result.stdout
-    assert 'data-rendered="yes"' in dom, result.stderr[-800:]
+    </script>"""
+    dom = dump_dom(page, probe, tmp_path)
+    assert 'data-rendered="yes"' in dom
     colours = dict(re.findall(r'class="status (\w+)"[^>]*data-bg="([^"]+)"', dom))
     assert colours["published"] == "rgb(46, 160, 67)"
     assert colours["failed"] == "rgb(215, 58, 73)"
