@@ -1,6 +1,7 @@
 """`mopt bench` on the GPU machine, against the runtime run as a plain server (no Docker there):
 
     PYTHONPATH=/tmp/site CXX=g++ python3 benchmarks/bench_gpu.py --out $OUT -- [mopt bench options]
+    .venv/bin/python benchmarks/bench_gpu.py --tiny --device cpu --out /tmp/bg -- --clients 2 --duration 2   # here
 
 Compiles the packed torch-aot engine of Qwen3-Embedding-0.6B's shape (bf16, random weights: no hub
 there; benchmarks/served_vs_raw.py's make_engine), starts `python -m builder.runtime serve` on it as
@@ -29,9 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp/mopt-bench-gpu")
     p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--tiny", action="store_true", help="the tiny Qwen3 (a check of this script on any machine)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--port", type=int, default=18190)
     a = p.parse_args(ours)
-    engine = make_engine(argparse.Namespace(tiny=False, device="cuda", layers=a.layers, compile_graphs=None),
+    engine = make_engine(argparse.Namespace(tiny=a.tiny, device=a.device, layers=a.layers, compile_graphs=None),
                          Path(a.work))
     server, ready_s = serve(engine, a.port, [], None)
     print(f"serving after {ready_s}s", flush=True)

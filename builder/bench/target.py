@@ -89,7 +89,7 @@ def _loopback(host: str) -> bool:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except (OSError, UnicodeError):
         return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)  # scope ids parse
 
 
 def _docker_path() -> str:

@@ -145,8 +145,8 @@ class Workload:
                 raise ValueError("its sha256 of the drawn texts is missing or not 64 hex digits")
             workload = cls(lengths=Lengths.parse(str(spec["lengths"])), **numbers)
             return workload, sha
-        except (UnicodeDecodeError, RecursionError) as exc:
-            raise ConfigError(f"{where}: cannot read it as JSON: {clipped(str(exc), 120)}") from None
+        except (UnicodeDecodeError, RecursionError) as exc:  # messages of their own making, short
+            raise ConfigError(f"{where}: cannot read it as JSON: {exc}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{where}: not a mopt bench result or workload: {clipped(str(exc), 160)}") from None
 
@@ -176,7 +176,7 @@ def digest(requests: list[list[str]]) -> str:
 
 def _file_lines(path: Path) -> list[str]:
     try:
-        text = read_regular(path, MAX_FILE_BYTES, "--lengths file:").decode("utf-8")
+        text = read_regular(path, MAX_FILE_BYTES, "--lengths file:").decode()
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--lengths file:{path}: cannot read it as UTF-8 text: {exc}") from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]

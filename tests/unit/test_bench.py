@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import re
 import socket
@@ -22,7 +23,7 @@ from builder.bench import hostload, output
 from builder.bench.api import OPENAI, TEI, BadAnswer
 from builder.bench.load import Load, Run
 from builder.bench.run import BenchResult, Settings, TargetResult, bench
-from builder.bench.sweep import RESOLUTION, passes, sweep
+from builder.bench.sweep import RESOLUTION, Step, Sweep, passes, sweep
 from builder.bench.target import Target
 from builder.bench.workload import Lengths, Workload, digest
 from builder.errors import ConfigError
@@ -703,3 +704,161 @@ def test_too_many_targets_and_an_unwritable_out_stop_before_anything_runs(tmp_pa
         result = run_mopt("bench", stub.endpoint, "--out", str(tmp_path / "file" / "sub"), "--duration", "1")
     assert result.returncode == 2 and "--out" in result.stderr and "cannot write there" in result.stderr
     assert stub.seen == 0
+
+
+# -- exact records and edges (what the mutation check asks of this module) --------------------------
+
+def test_a_run_record_is_exact():
+    run = Run("closed", 4, 10, 8, {"timeout": 1, "http_503": 1}, 3.14159, 17, 331,
+              latencies_ms=(10.004, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 81.126), client_cpu=0.123456)
+    assert run.to_json() == {
+        "mode": "closed", "level": 4, "sent": 10, "ok": 8, "errors": {"http_503": 1, "timeout": 1}, "wall_s": 3.142,
+        "requests_per_s": 2.546, "texts_per_s": 5.41, "tokens": 331, "tokens_per_s": 105.4, "client_cpu": 0.123,
+        "latency_ms": {"p50": 40.0, "p90": 81.13, "p99": 81.13, "max": 81.13}}
+    assert list(run.to_json()["errors"]) == ["http_503", "timeout"]
+    empty = Run("open", 2.5, 0, 0, {}, 0.0, 0, None).to_json()
+    assert (empty["requests_per_s"], empty["texts_per_s"], empty["tokens_per_s"]) == (0.0, 0.0, None)
+
+
+def test_a_sweep_record_is_exact():
+    run = Run("open", 1, 5, 5, {}, 2.0, 10, 30, latencies_ms=(5.0,) * 5)
+    record = Sweep(250.0, 21.353676, (Step(21.353676, False, run), Step(10.676838, True, run))).to_json()
+    assert record == {"p99_target_ms": 250.0, "peak_rate": 21.354, "answer_rate": 10.677,
+                      "steps": [{"rate": 21.354, "passed": False} | run.to_json(),
+                                {"rate": 10.677, "passed": True} | run.to_json()]}
+
+
+def test_the_sweep_stops_at_its_resolution_and_judges_by_p99_not_max():
+    capacity, target = 50.0, 200.0
+    result = sweep(lambda rate: _fake_run(rate, 20.0 * capacity / (capacity - min(rate, capacity - 0.01))),
+                   peak_rate=48.0, p99_target_ms=target, steps=12)
+    assert [s.rate for s in result.steps] == [48.0, 24.0, 36.0, 42.0, 45.0, 46.5, 45.75] and result.answer == 45.0
+    assert len(sweep(lambda rate: _fake_run(rate, 1e6), 30.0, 100, steps=1).steps) == 1
+    tail = Run("open", 5, 100, 100, {}, 10.0, 100, None, latencies_ms=(10.0,) * 99 + (900.0,))
+    assert passes(tail, 100) and passes(Run("open", 1, 1, 1, {}, 1.0, 1, None, latencies_ms=(9.0,)), 10)
+
+
+def test_a_target_name_is_what_comes_before_the_first_equals_sign():
+    assert Target.parse("n=http://127.0.0.1:1/a=b") == Target("n", "http://127.0.0.1:1/a=b", "url")
+    assert Target.parse("127.0.0.1:5000/mopt/minilm-embed:cpu").name == "minilm-embed:cpu"
+    assert Target.parse("a/b/c/d").name == "d" and Target.parse("http://127.0.0.1:8000/prefiX/").ref == \
+        "http://127.0.0.1:8000/prefiX"
+    for text in ("a:b=c", "a/b=c"):
+        with pytest.raises(ConfigError, match=re.escape(f"target {text!r}: neither an http(s):// URL nor an image")):
+            Target.parse(text)
+
+
+@pytest.mark.parametrize("url, says", [
+    ("ftp://127.0.0.1/", "target URL 'ftp://127.0.0.1/': use http://HOST[:PORT][/PREFIX] or https://..."),
+    ("http://user@127.0.0.1/", "target URL 'http://user@127.0.0.1/': no credentials in the URL"),
+    ("http://127.0.0.1/?a", "target URL 'http://127.0.0.1/?a': a base URL has no query or fragment"),
+    ("http://10.1.2.3/", "target URL 'http://10.1.2.3/': 10.1.2.3 is not a loopback address"),
+    ("http://127.0.0.1:x/", "target URL 'http://127.0.0.1:x/': Port could not be cast to integer value as 'x'"),
+])
+def test_url_refusals_quote_the_url(url, says):
+    with pytest.raises(ConfigError) as caught:
+        Target.parse(url)
+    assert caught.value.message.startswith(says), caught.value.message
+
+
+def test_a_name_is_loopback_only_when_every_address_is(monkeypatch):
+    from builder.bench import target
+
+    answers = {"only-lo": ["127.0.0.1", "::1"], "mixed": ["127.0.0.1", "192.0.2.1"], "far": ["192.0.2.1"],
+               "none": []}
+    monkeypatch.setattr(target.socket, "getaddrinfo",
+                        lambda host, port: [(0, 0, 0, "", (a, 0)) for a in answers[host]])
+    assert [target._loopback(h) for h in ("only-lo", "mixed", "far", "none")] == [True, False, False, False]
+    assert target._loopback("::1") and not target._loopback("192.0.2.7")
+
+
+def test_workload_messages_and_edges(tmp_path):
+    long = "fixed:" + "9" * 100
+    with pytest.raises(ConfigError) as caught:
+        Lengths.parse(long)
+    assert caught.value.message == (f"--lengths {long[:80] + '...'!r}: a length must be 1..8192 words; "
+                                    "use fixed:N, lognormal:MEDIAN[:SIGMA] or file:PATH")
+    for text in ("gauss" + "x" * 100, "file:"):
+        shown = (text[:80] + "...") if len(text) > 80 else text
+        with pytest.raises(ConfigError, match=re.escape(f"--lengths {shown!r}")):
+            Lengths.parse(text)
+    assert Lengths.parse("lognormal:10:3").sigma == 3.0 and str(Lengths.parse("lognormal:7")) == "lognormal:7:0.8"
+    for name, field in (("--batch", "batch"), ("--max-words", "max_words"), ("distinct requests", "distinct")):
+        with pytest.raises(ConfigError, match=re.escape(f"{name} must be 1..")):
+            Workload(Lengths.parse("fixed:1"), **{field: 0})
+    Workload(Lengths.parse("fixed:1"), seed=2**63 - 1)
+    with pytest.raises(ConfigError, match="--seed must be"):
+        Workload(Lengths.parse("fixed:1"), seed=2**63)
+    Workload(Lengths.parse("fixed:1"), distinct=4096, batch=1, max_words=8192)  # exactly 2**25 words: allowed
+    with pytest.raises(ConfigError, match="4,096 requests|4096 requests"):
+        Workload(Lengths.parse("fixed:1"), distinct=4096, batch=2, max_words=4097)
+    one = Workload(Lengths.parse("fixed:1"), batch=2, distinct=3).requests()
+    assert all(len(t.split()) == 1 for b in one for t in b)
+    from builder.bench.workload import WORDS
+
+    drawn = Workload(Lengths.parse("lognormal:9"), batch=4, distinct=8).requests()
+    assert all(word in WORDS for b in drawn for t in b for word in t.split(" "))
+    data = Workload(Lengths.parse("lognormal:9"), batch=4, distinct=8).to_json(drawn)
+    words = sorted(len(t.split()) for b in drawn for t in b)
+    assert data["words"] == {"min": words[0], "median": words[16], "max": words[-1],
+                             "mean": round(sum(words) / 32, 1)} and words[0] != words[16] != words[-1]
+    assert digest([["é"]]) == hashlib.sha256('[["é"]]'.encode()).hexdigest()
+
+
+def test_workload_file_messages_and_limits(tmp_path, monkeypatch):
+    from builder.bench import workload
+
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(ConfigError) as caught:
+        Workload(Lengths.parse(f"file:{missing}")).requests()
+    assert caught.value.message == f"--lengths file:{missing}: cannot read it: No such file or directory"
+    exact = tmp_path / "exact.txt"
+    exact.write_text("a" * 63 + "\n")
+    monkeypatch.setattr(workload, "MAX_FILE_BYTES", 64)
+    assert Workload(Lengths.parse(f"file:{exact}"), distinct=1, batch=1).requests() == [["a" * 63]]
+    exact.write_text("a" * 64 + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"--lengths file:{exact}: more than 64 bytes")):
+        Workload(Lengths.parse(f"file:{exact}")).requests()
+    texts = tmp_path / "texts.txt"
+    texts.write_text("one two\n")
+    spec = Workload(Lengths.parse(f"file:{texts}"), distinct=1, batch=1)
+    drawn = spec.requests()
+    texts.unlink()
+    with pytest.raises(ConfigError, match=re.escape(f"--lengths file:{texts}: cannot read it")):
+        spec.to_json(drawn)
+    wl = tmp_path / "w.json"
+    with pytest.raises(ConfigError) as caught:
+        Workload.from_json(tmp_path)
+    assert caught.value.message.startswith(f"--workload {tmp_path}: ")
+    wl.write_text(json.dumps({"lengths": "fixed:1", "batch": "x" * 300, "max_words": 1, "distinct": 1, "seed": 0,
+                              "sha256": "0" * 64}))
+    with pytest.raises(ConfigError) as caught:
+        Workload.from_json(wl)
+    message = caught.value.message
+    assert message.startswith(f"--workload {wl}: not a mopt bench result or workload: batch, max_words")
+    assert message.endswith("...") and len(message.split("workload: ", 1)[1]) == 163
+    wl.write_text(json.dumps({"lengths": "fixed:1", "batch": 1, "max_words": 1, "distinct": 1, "seed": 0,
+                              "sha256": "z"}))
+    with pytest.raises(ConfigError, match="its sha256 of the drawn texts is missing or not 64 hex digits"):
+        Workload.from_json(wl)
+    wl.write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(ConfigError, match=re.escape(f"--workload {wl}: cannot read it as JSON: ")):
+        Workload.from_json(wl)
+
+
+def test_printable_is_one_clipped_line():
+    from builder.bench.api import printable
+
+    assert printable(b"\xff ok\x1b[2J\nnext") == "\ufffd ok [2J next"
+    assert printable("x" * 300) == "x" * 200 + "..." and printable("y" * 300, 10) == "y" * 10 + "..."
+
+
+@pytest.mark.parametrize("line, busy_total", [
+    ("cpu  100 5 50 800 40 3 2 1 7 9", (161, 1001)),  # guest and guest_nice are in user and nice already
+    ("cpu  100 0 100 800", (200, 1000)), ("cpu  100 0 100 800 40", (200, 1040)),
+    ("cpu  x 0 0 0", None), ("", None),
+])
+def test_cpu_times_read_from_proc_stat(tmp_path, line, busy_total):
+    stat_file = tmp_path / "stat"
+    stat_file.write_text(line + "\n" if line else "")
+    assert hostload._cpu_times(stat_file) == busy_total
