@@ -39,7 +39,7 @@ class Api:
     name: str  # openai | tei
     path: str
 
-    def body(self, texts: list[str], model: str | None, encoding: str = "float") -> bytes:
+    def body(self, texts: list[str], model: str | None, encoding: str) -> bytes:
         """A request's body. ENCODING base64 (OpenAI's API only) is what OpenAI's own Python client asks for:
         vectors as base64 of float32, about a fifth of the bytes of JSON numbers."""
         if self.name == "tei":
@@ -52,7 +52,7 @@ class Api:
         try:
             payload = _loads(data)
         except ValueError:
-            raise BadAnswer(f"not JSON: {printable(data[:120], 120)!r}") from None
+            raise BadAnswer(f"not JSON: {printable(data[:120])!r}") from None
         if self.name == "tei":
             vectors = payload
             tokens = _int(headers.get("x-compute-tokens"))

@@ -132,19 +132,31 @@ def test_good_answers_give_dimension_and_tokens():
     assert OPENAI.check(_openai([[1, 2, 3]], usage=False), 1, {}) == (3, None)
     assert TEI.check(b"[[0.1, 0.2, 0.3]]", 1, {"x-compute-tokens": "5"}) == (3, 5)
     assert TEI.check(b"[[0.1]]", 1, {"x-compute-tokens": "-2"}) == (1, None)
-    assert json.loads(OPENAI.body(["a", "b"], "m")) == {"input": ["a", "b"], "model": "m"}
-    assert json.loads(OPENAI.body(["a"], None)) == {"input": ["a"]}
-    assert json.loads(TEI.body(["a"], "m")) == {"inputs": ["a"]}
+    assert json.loads(OPENAI.body(["a", "b"], "m", "float")) == {"input": ["a", "b"], "model": "m"}
+    assert json.loads(OPENAI.body(["a"], None, "float")) == {"input": ["a"]}
+    assert json.loads(TEI.body(["a"], "m", "base64")) == {"inputs": ["a"]}
+    assert TEI.check(b"[[0.1]]", 1, {"x-compute-tokens": "0"}) == (1, 0)
     assert json.loads(OPENAI.body(["a"], None, "base64")) == {"input": ["a"], "encoding_format": "base64"}
     b64 = base64.b64encode(struct.pack("<3f", 0.1, 0.2, 0.3)).decode()
     assert OPENAI.check(_openai([b64, b64]), 2, {}) == (3, 11)
 
 
-@pytest.mark.parametrize("embedding, says", [("not base64!", "not base64"),
-                                             (base64.b64encode(b"12345").decode(), "5 bytes, not whole float32")])
+@pytest.mark.parametrize("embedding, says", [
+    ("not base64!", "an embedding is a string but not base64"),
+    ("AAAAAA==!", "an embedding is a string but not base64"),  # valid but for one character: still refused
+    (base64.b64encode(b"12345").decode(), "a base64 embedding of 5 bytes, not whole float32 values")])
 def test_broken_base64_embeddings_are_wrong_answers(embedding, says):
-    with pytest.raises(BadAnswer, match=says):
+    with pytest.raises(BadAnswer, match=f"^{re.escape(says)}$"):
         OPENAI.check(_openai([embedding]), 1, {})
+
+
+def test_wrong_answer_messages_are_exact():
+    with pytest.raises(BadAnswer, match=f"^not JSON: {re.escape(repr('x' * 120))}$"):
+        OPENAI.check(b"x" * 300, 1, {})
+    with pytest.raises(BadAnswer, match=r"^vectors of sizes \[1, 2, 3, 4\], not one dimension$"):
+        OPENAI.check(_openai([[0.1] * n for n in (1, 2, 3, 4, 5)]), 5, {})
+    with pytest.raises(BadAnswer, match="^a vector holds something other than numbers$"):
+        OPENAI.check(_openai([["x"]]), 1, {})
 
 
 @pytest.mark.parametrize("api, data, texts, says", [
@@ -478,6 +490,17 @@ def test_host_load_is_sampled_from_proc_stat_and_a_busy_host_warned(tmp_path):
     assert "load average was 1.5" in hostload.warning("before", hostload.HostLoad(2, 1.5, None))
     assert hostload.warning("before", hostload.HostLoad(2, 0.4, None)) is None
     assert hostload.sample(0.01, tmp_path / "absent").busy is None
+    assert hostload.sample(0.01, stat).busy is None  # the same counts twice: no time passed for the CPUs
+    late = tmp_path / "late"
+
+    def appear():
+        time.sleep(0.05)
+        late.write_text("cpu  1 0 0 1\n")
+
+    thread = threading.Thread(target=appear)
+    thread.start()
+    assert hostload.sample(0.3, late).busy is None  # unreadable before: no share
+    thread.join()
 
 
 # -- the command line --------------------------------------------------------------------------------
