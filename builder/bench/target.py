@@ -46,7 +46,7 @@ class Target:
     @classmethod
     def parse(cls, text: str, allow_hosts: tuple[str, ...] = ()) -> Target:
         name, sep, ref = text.partition("=")
-        if not sep or "://" in name or "/" in name or ":" in name:
+        if not sep or "/" in name or ":" in name:  # no name (a URL's "://" has both)
             name, ref = "", text
         if name and not NAME.fullmatch(name):
             raise ConfigError(f"target name {quoted(name)}: use letters, digits, '.', '_', '+' or '-' (64 at most)")
@@ -55,7 +55,7 @@ class Target:
             return cls(name or urlsplit(url).netloc, url, "url")
         if not IMAGE_REF.fullmatch(ref) or ".." in ref:
             raise ConfigError(f"target {quoted(text)}: neither an http(s):// URL nor an image reference")
-        return cls(name or ref.rsplit("/", 1)[-1][:64], ref, "image")
+        return cls(name or ref.split("/")[-1][:64], ref, "image")
 
 
 def _checked_url(url: str, allow_hosts: tuple[str, ...]) -> str:

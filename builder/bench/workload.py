@@ -50,7 +50,7 @@ class Lengths:
         usage = "use fixed:N, lognormal:MEDIAN[:SIGMA] or file:PATH"
         if kind == "file":
             if not rest:
-                raise ConfigError(f"--lengths {clipped(text, 80)!r}: no path after file:; {usage}")
+                raise ConfigError(f"--lengths 'file:': no path after file:; {usage}")
             return cls("file", path=rest)
         parts = rest.split(":")
         try:

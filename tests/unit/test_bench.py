@@ -862,8 +862,9 @@ def test_workload_file_messages_and_limits(tmp_path, monkeypatch):
     assert message.endswith("...") and len(message.split("workload: ", 1)[1]) == 163
     wl.write_text(json.dumps({"lengths": "fixed:1", "batch": 1, "max_words": 1, "distinct": 1, "seed": 0,
                               "sha256": "z"}))
-    with pytest.raises(ConfigError, match="its sha256 of the drawn texts is missing or not 64 hex digits"):
+    with pytest.raises(ConfigError) as caught:
         Workload.from_json(wl)
+    assert caught.value.message.endswith(": its sha256 of the drawn texts is missing or not 64 hex digits")
     wl.write_bytes(b'{"a": "\xff"}')
     with pytest.raises(ConfigError, match=re.escape(f"--workload {wl}: cannot read it as JSON: ")):
         Workload.from_json(wl)
@@ -885,3 +886,28 @@ def test_cpu_times_read_from_proc_stat(tmp_path, line, busy_total):
     stat_file = tmp_path / "stat"
     stat_file.write_text(line + "\n" if line else "")
     assert hostload._cpu_times(stat_file) == busy_total
+
+
+def test_host_samples_and_warnings_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(hostload.os, "getloadavg", lambda: (1.23456, 2.0, 3.0))
+    monkeypatch.setattr(hostload.os, "cpu_count", lambda: None)
+    stat_file = tmp_path / "stat"
+    stat_file.write_text("cpu  0 0 0 0\n")
+
+    def later():
+        time.sleep(0.05)
+        stat_file.write_text("cpu  100 0 0 200\n")
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    load = hostload.sample(0.3, stat_file)
+    thread.join()
+    assert load == hostload.HostLoad(cpus=1, load1=1.23, busy=0.333)
+    assert hostload.warning("before", hostload.HostLoad(2, 0.0, 0.25)) is None
+    assert hostload.warning("before", hostload.HostLoad(2, 0.5, None)) is None
+    assert hostload.warning("before", hostload.HostLoad(2, 0.51, None)) is not None
+
+
+def test_percentiles_of_a_thousand():
+    run = Run("closed", 1, 1000, 1000, {}, 1.0, 1000, None, latencies_ms=tuple(float(i) for i in range(1, 1001)))
+    assert [run.percentile(q) for q in (50, 90, 99, 100)] == [500.0, 900.0, 990.0, 1000.0]
