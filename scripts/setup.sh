@@ -12,9 +12,10 @@
 #                                package is a snap transition, so a chromium already on PATH is used
 #                                and otherwise the report's rendering test skips)
 #
-# An existing Docker is kept: when a docker CLI is present (Docker CE with buildx on GitHub's hosted
-# runners, or docker.io) docker.io is not installed, and no dockerd is started while its daemon
-# answers. docker.io is installed only when there is no docker CLI at all.
+# An existing Docker is kept: when a docker CLI is present with its engine (Docker CE with buildx on
+# GitHub's hosted runners, or docker.io) docker.io is not installed, and no dockerd is started while
+# its daemon answers. docker.io is installed where there is no docker CLI, or a CLI alone (no daemon
+# answers, no dockerd, no docker.service).
 #
 # Idempotent and fast when everything is present: apt-get runs only when a package is missing,
 # dockerd is started only when the docker CLI cannot reach a daemon, and pip runs only when
@@ -29,6 +30,7 @@
 #   MOPT_OS_RELEASE    the os-release file to read (default /etc/os-release; for tests)
 #   MOPT_SETUP_DRY_RUN=1  say what would be installed, started or created, and change nothing
 #   MOPT_DOCKER        the docker CLI to check (default: /usr/bin/docker, else docker on PATH)
+#   MOPT_DOCKERD       the daemon to start where none answers (default: dockerd on PATH or in sbin)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -144,10 +146,28 @@ docker_cli() {  # the docker CLI to use, or "": the order of builder/dockerclien
     fi
 }
 
+dockerd_path() {  # the daemon binary to start, or "" (it lives in sbin, which a user's PATH may lack)
+    PATH="$PATH:/usr/sbin:/sbin" command -v "${MOPT_DOCKERD:-dockerd}" 2>/dev/null || true
+}
+
+has_engine() {  # the docker CLI found has a daemon: one answers, or one can be started here
+    [ -n "${DOCKER_HOST:-}" ] && return 0
+    DOCKER="$(docker_cli)"
+    probe_docker
+    [ "$DOCKER_STATE" != down ] && return 0
+    [ -n "$(dockerd_path)" ] && return 0
+    systemd_running && systemctl cat docker.service >/dev/null 2>&1
+}
+
 choose_packages() {
-    if [ -n "$(docker_cli)" ]; then
-        say "docker: $(docker_cli) present: kept as it is (docker.io is installed only where no docker CLI exists)"
+    if [ -z "$(docker_cli)" ]; then
+        PACKAGES=("${DOCKER_PACKAGES[@]}" "${PACKAGES[@]}")
+    elif has_engine; then
+        say "docker: $(docker_cli) present: kept as it is (docker.io is installed only where no Docker engine exists)"
     else
+        # A client alone (a docker CLI copied onto the machine, no daemon and no dockerd): Debian's
+        # engine goes beside it, and its own /usr/bin/docker is the CLI used from then on.
+        say "docker: $(docker_cli) is a client without a daemon (no dockerd here): docker.io is installed beside it"
         PACKAGES=("${DOCKER_PACKAGES[@]}" "${PACKAGES[@]}")
     fi
     [ "$PURPOSE" = test ] || return 0
@@ -277,7 +297,7 @@ start_dockerd() {
         # CI containers and fresh VMs often have no running systemd: start the daemon directly.
         "${SUDO[@]}" rm -f "$pidfile"  # stale: a killed daemon's pid file makes dockerd refuse to start
         local dockerd
-        dockerd="$(PATH="$PATH:/usr/sbin:/sbin" command -v dockerd || true)"
+        dockerd="$(dockerd_path)"
         [ -n "$dockerd" ] || die "dockerd not found (apt-get install docker.io)"
         say "docker daemon: starting $dockerd (log: $DOCKERD_LOG)"
         # The log is opened by the privileged shell (/var/log is root's); sudo's own output goes to

@@ -302,3 +302,32 @@ def test_an_unsupported_os_is_refused_in_one_line_unless_allowed(project):
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     assert "OS: WARNING Fedora Linux 40 (Server Edition) is not supported" in allowed.stdout
     assert not (project / ".venv").exists()
+
+
+# --------------------------------------------------------------------------- a docker client without its engine
+DEBIAN_12 = 'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nVERSION_ID="12"\nID=debian\n'
+
+
+@pytest.mark.timeout(120)
+def test_a_docker_client_without_a_daemon_gets_docker_io_beside_it(project, tmp_path):
+    """A docker CLI copied onto a machine (as /usr/local/bin/docker here) with no daemon answering and no
+    dockerd to start is not an engine: the dry run would install docker.io (where it is not installed
+    yet). The same CLI with a dockerd on the machine is kept as it is, and docker.io is not installed."""
+    assert not Path("/run/systemd/system").exists(), "this test expects no systemd (no docker.service to start)"
+    client = tmp_path / "docker"
+    client.write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon at unix:///nowhere.sock.' >&2\nexit 1\n")
+    client.chmod(0o755)
+    dockerd = tmp_path / "dockerd"
+    dockerd.write_text("#!/bin/sh\nexit 1\n")
+    dockerd.chmod(0o755)
+    env = [("MOPT_DOCKER", str(client)), ("DOCKER_HOST", "")]
+    alone = detect(project, DEBIAN_12, *env, ("MOPT_DOCKERD", str(tmp_path / "no-dockerd")))
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert f"docker: {client} is a client without a daemon (no dockerd here)" in alone.stdout, alone.stdout
+    would = [ln for ln in alone.stdout.splitlines() if "would install" in ln]
+    # (where an earlier setup installed docker.io already, nothing is left to install)
+    assert (would and " docker.io " in f" {would[0]} ") or "system packages: all present" in alone.stdout
+    with_engine = detect(project, DEBIAN_12, *env, ("MOPT_DOCKERD", str(dockerd)))
+    assert with_engine.returncode == 0, with_engine.stdout + with_engine.stderr
+    assert f"docker: {client} present: kept as it is" in with_engine.stdout, with_engine.stdout
+    assert " docker.io " not in " ".join(ln for ln in with_engine.stdout.splitlines() if "would install" in ln)
