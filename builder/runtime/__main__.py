@@ -93,7 +93,9 @@ def _engine_flags(c: argparse.ArgumentParser, serving: bool = False) -> None:
     flag = {"default": argparse.SUPPRESS}
     e.add_argument("--backend", **flag)
     e.add_argument("--device", choices=contract.DEVICES, **flag)
-    e.add_argument("--precision", choices=contract.PRECISIONS, help="int8 and fp8: tensorrt only", **flag)
+    e.add_argument("--precision", choices=contract.PRECISIONS,
+                   help="one the backend takes on the device: backends/<name>.yaml's precisions "
+                   "(int8: torch-aot on cpu, tensorrt; fp8: tensorrt)", **flag)
     if not serving:
         e.add_argument("--max-batch", type=int, **flag)
     e.add_argument("--max-seq-len", type=int, **flag)

@@ -177,8 +177,9 @@ def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) ->
                          "the one this engine was built from (an image whose engine holds the weights, label "
                          "io.mopt.model.weights=in-engine, ships the model without them)") from None
     device = "cuda" if facts.sm else "cpu"
-    params = EngineParams.from_dict({**old.to_dict(), "device": device,
-                                     "precision": old.precision if device == "cuda" else "fp32"})
+    # The engine's precision where its backend takes it on this device (bf16 on a GPU, int8 on a CPU), else fp32.
+    kept = old.precision in backend_info(old.backend).precisions(device)
+    params = EngineParams.from_dict({**old.to_dict(), "device": device, "precision": old.precision if kept else "fp32"})
     key_src = {"model": data["model_digest"], "params": params.to_dict(), "host": facts.to_dict()}
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
     target = cache / key

@@ -82,9 +82,9 @@ class EngineParams:
         if self.pooling not in POOLINGS:
             raise UsageError(f"--pooling must be one of {POOLINGS}, got {self.pooling!r}")
         backend = backend_info(self.backend)
-        if self.precision not in backend.precisions:
-            raise UsageError(f"--precision {self.precision} is not one {self.backend} takes "
-                             f"({', '.join(backend.precisions)})")
+        if self.precision not in backend.precisions(self.device):
+            raise UsageError(f"--precision {self.precision} is not one {self.backend} takes on {self.device} "
+                             f"({', '.join(backend.precisions(self.device))})")
         if self.compile_mode not in COMPILE_MODES:
             raise UsageError(f"--compile-mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         self._check_graph_form(backend)
@@ -93,9 +93,6 @@ class EngineParams:
                              f"got {self.trt_hardware_compatibility!r}")
         if self.trt_opset < 17:
             raise UsageError(f"--trt-opset must be >= 17, got {self.trt_opset}")
-        if self.device == "cpu" and self.precision != "fp32":
-            # Half precision on CPU is slow and its accuracy vs the fp32 reference is not checked.
-            raise UsageError(f"--precision {self.precision} needs --device cuda; use fp32 on cpu")
         if not 1 <= self.max_batch <= MAX_BATCH:
             raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if self.matryoshka_min_dim is not None and (type(self.matryoshka_min_dim) is not int

@@ -227,3 +227,8 @@ def test_the_gate_covers_every_length_and_names_the_worst_class(backend, model, 
     classes = fingerprint.read(tmp_path / "out")["accuracy_by_length"]
     assert classes == ref["classes"] and list(classes) == ["1-8", "9-32"]
     assert classes["1-8"]["min"] == 1.0 and classes["9-32"]["min"] == 0.995 < classes["9-32"]["mean"] < 1.0
+    whole = fingerprint.read(tmp_path / "out")["accuracy"]
+    counts = {name: c["texts"] for name, c in classes.items()}
+    mean = (counts["1-8"] * classes["1-8"]["mean"] + counts["9-32"] * classes["9-32"]["mean"]) / sum(counts.values())
+    assert whole == {"precision": "fp32", "texts": len(ref["texts"]), "min": 0.995, "mean": round(mean, 6),
+                     "min_cosine": 0.99}

@@ -447,3 +447,41 @@ def test_compile_cli_bad_input_exits_2_without_an_engine(tmp_path, args, env, me
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (out / "engine.json").exists() and not (out / "engine").exists()
+
+
+def test_an_int8_engine_passes_the_gate_close_to_fp32_and_ships_int8_weights(engine, tmp_path):
+    """--precision int8 on the CPU: every linear layer int8 (quantize.py), the compile gate's cosine
+    against the fp32 model recorded in engine.json (>= 0.99, and below the fp32 engine's: it really is
+    quantized), the library about a third smaller (int8 weights; the embedding tables stay fp32), and
+    served answers within the gate of the fp32 engine's."""
+    from builder.runtime.compiler import cosine
+    from builder.runtime.engine import Engine
+
+    fp32_out, _ = engine
+    out = tmp_path / "int8"
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps({"backend": "torch-aot", "device": "cpu", "precision": "int8", "max_batch": 8,
+                                  "max_seq_len": 64, "pooling": "mean", "normalize": True}))
+    proc = runtime_cli("compile", "--model", str(minilm_dir()), "--out", str(out), "--params", str(params),
+                       "--verify", "--min-cosine", "0.99")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "engine.json").read_text())
+    fp32 = json.loads((fp32_out / "engine.json").read_text())
+    assert data["params"]["precision"] == "int8" and data["int8_linear_layers"] >= 36  # 6 layers x 6 linears
+    accuracy = data["accuracy"]
+    assert accuracy["precision"] == "int8" and accuracy["min_cosine"] == 0.99
+    assert 0.99 <= accuracy["min"] <= accuracy["mean"] < 0.9999, accuracy
+    assert accuracy["min"] < min(c["min"] for c in fp32["accuracy_by_length"].values())
+    size = (out / "engine" / data["artifact"]).stat().st_size
+    assert size < 0.75 * (fp32_out / "engine" / fp32["artifact"]).stat().st_size
+    got, want = Engine.open(out).embed_texts(TEXTS), Engine.open(fp32_out).embed_texts(TEXTS)
+    assert all(cosine(a, b) >= 0.99 for a, b in zip(got, want, strict=True))
+
+
+def test_int8_where_the_backend_does_not_take_it_exits_2(tmp_path):
+    params = tmp_path / "params.json"
+    params.write_text(json.dumps({"backend": "torch-aot", "device": "cuda", "precision": "int8"}))
+    proc = runtime_cli("compile", "--model", str(minilm_dir()), "--out", str(tmp_path / "out"), "--params", str(params))
+    assert proc.returncode == 2, proc.stderr
+    assert "--precision int8 is not one torch-aot takes on cuda (fp32, bf16, fp16)" in proc.stderr
+    assert not (tmp_path / "out").exists()

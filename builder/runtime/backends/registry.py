@@ -11,6 +11,9 @@ import yaml
 from ..errors import UsageError
 
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
+# What a backend's engines may be compiled in where its description says nothing: half precision only on
+# CUDA (on CPU it is slow, and its accuracy against the fp32 reference was never measured there).
+DEFAULT_PRECISIONS = {"cpu": ("fp32",), "cuda": FLOAT_PRECISIONS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +22,8 @@ class BackendInfo:
     own_server: bool  # served by its own OpenAI server (exec_serve after the guard), not by mopt's server
     version_is_torch: bool  # its version is torch's, which the guard compares already
     prepares: bool  # prepare() does start-up work worth overlapping with the guard's hashing
-    precisions: tuple[str, ...] = FLOAT_PRECISIONS  # what --precision may be
+    cpu_precisions: tuple[str, ...] = DEFAULT_PRECISIONS["cpu"]  # what --precision may be on each device
+    cuda_precisions: tuple[str, ...] = DEFAULT_PRECISIONS["cuda"]
     causal_attention: bool = False  # takes --attention causal (right padding, SDPA's is_causal)
     unpadded: bool = False  # drops the padding itself (vLLM packs sequences): calls are cut by row count only
     # Takes several calls at once and batches them itself (vLLM's scheduler; its forward passes run in
@@ -34,6 +38,9 @@ class BackendInfo:
     # attention for uniform calls".
     packed_dense: tuple[str, ...] = ()
 
+    def precisions(self, device: str) -> tuple[str, ...]:
+        return self.cpu_precisions if device == "cpu" else self.cuda_precisions
+
 
 def _load(directory: Path) -> dict[str, BackendInfo]:
     """The registry from the backends' descriptions (<name>.yaml beside this file, one per backend: the
@@ -44,7 +51,9 @@ def _load(directory: Path) -> dict[str, BackendInfo]:
         own = data["runtime"]
         registry[data["name"]] = BackendInfo(
             module=own["module"], own_server=data["own_server"], version_is_torch=own["version_is_torch"],
-            prepares=own["prepares"], precisions=tuple(own.get("precisions", FLOAT_PRECISIONS)),
+            prepares=own["prepares"],
+            **{f"{device}_precisions": tuple(own.get("precisions", {}).get(device, default))
+               for device, default in DEFAULT_PRECISIONS.items()},
             causal_attention=own.get("causal_attention", False), unpadded=own.get("unpadded", False),
             concurrent_calls=own.get("concurrent_calls", False),
             packed_input=bool(data.get("input_forms")),  # a packed default only where packed engines compile

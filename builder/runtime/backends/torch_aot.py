@@ -29,6 +29,7 @@ import torch
 from ..errors import UsageError
 from ..packed import attention_plan
 from ..params import EngineParams
+from ..quantize import quantize_linears
 from ..sdpa import sdpa_kernels, sdpa_summary
 from . import dense_packing
 from .torch_common import (
@@ -57,8 +58,9 @@ def version() -> str:
 
 def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
-    dtype = DTYPES[params.precision]
-    module = build_module(model_dir, params, dtype, params.device)
+    # int8 (CPU): an fp32 body whose linear layers compute in int8 (quantize.py)
+    module = build_module(model_dir, params, DTYPES.get(params.precision, torch.float32), params.device)
+    quantized = quantize_linears(module.body) if params.precision == "int8" else 0
     example = tuned_example(params, params.device, pad_left=params.pad_left)
     # On CUDA, SDPA's kernel choice is baked in here (no cuDNN by default: see sdpa.py).
     kernels = sdpa_kernels() if params.device == "cuda" else nullcontext()
@@ -78,6 +80,8 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     tuned = (f"{len(example[1])} sequences, {example[0].numel()} tokens" if params.packed
              else "x".join(map(str, example[0].shape)))
     recorded = {"tuned_for": tuned, "input_form": params.input_form, "inductor_options": options}
+    if quantized:
+        recorded["int8_linear_layers"] = quantized
     if params.packed:
         recorded["packed_attention"] = attention_plan(params.device, params.precision, dense_packing(params))
     if params.device == "cuda":

@@ -1,0 +1,109 @@
+"""int8 linear layers (builder/runtime/quantize.py): the exact arithmetic of the quantization (per output
+channel for weights, per token for activations), against a float64 reference of the same formula, and
+close to the fp32 layer it replaces. The engine that uses them is checked on the real MiniLM in
+test_runtime_minilm.py (the compile gate, int8 against fp32)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the runtime needs torch")
+
+from builder.runtime.quantize import QMAX, Int8Linear, quantize_linears, quantize_rows  # noqa: E402
+
+pytestmark = pytest.mark.runtime
+
+
+def test_rows_are_scaled_by_their_own_largest_magnitude():
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [254.0, 127.0, -63.5]])
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.int8 and scale.shape == (3, 1)
+    assert torch.allclose(scale[:, 0], torch.tensor([2.0 / 127, 1e-12 / 127, 2.0]))
+    assert q.tolist() == [[64, -127, 32], [0, 0, 0], [127, 64, -32]]  # 63.5, -31.75 round half to even
+
+
+def test_values_never_leave_the_symmetric_range():
+    x = torch.randn(64, 256) * torch.logspace(-6, 6, 64).unsqueeze(1)
+    q, scale = quantize_rows(x)
+    assert int(q.min()) >= -QMAX and int(q.max()) <= QMAX
+    assert (q.abs().amax(dim=1) == QMAX).all()  # each row's largest value lands on the edge
+    assert ((q.float() * scale - x).abs() <= scale / 2 * (1 + 1e-6)).all()  # lossy, within half a step
+
+
+def _reference(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The same arithmetic in float64: per-token activations, per-channel weights, exact products."""
+    w = layer.weight.detach().double()
+    w_scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / QMAX
+    w_q = torch.round(w / w_scale).clamp(-QMAX, QMAX)
+    rows = x.reshape(-1, x.shape[-1]).double()
+    x_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / QMAX
+    x_q = torch.round(rows / x_scale).clamp(-QMAX, QMAX)
+    y = (x_q @ w_q.t()) * x_scale * w_scale.t() + layer.bias.detach().double()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def test_the_layer_computes_the_quantized_product_and_stays_close_to_fp32():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40)
+    x = torch.randn(3, 7, 96)
+    q = Int8Linear(layer)
+    got = q(x)
+    assert got.shape == (3, 7, 40) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), _reference(layer, x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        want = layer(x)
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert float(cos.min()) > 0.999 and not torch.equal(got, want)
+
+
+def test_weights_are_scaled_per_output_channel():
+    layer = torch.nn.Linear(4, 2, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.0, -0.5, 0.25, 0.0], [100.0, 50.0, -25.0, 12.5]]))
+    q = Int8Linear(layer)
+    assert q.weight_int8.shape == (4, 2) and q.bias is None  # [in, out], as _int_mm takes it
+    assert torch.allclose(q.weight_scale, torch.tensor([[1.0 / 127, 100.0 / 127]]))
+    assert q.weight_int8.t().tolist() == [[127, -64, 32, 0], [127, 64, -32, 16]]
+
+
+def test_each_token_has_its_own_scale():
+    """A loud token in the same call does not coarsen a quiet one: each row's output is the same alone."""
+    torch.manual_seed(1)
+    q = Int8Linear(torch.nn.Linear(32, 16))
+    quiet, loud = torch.randn(1, 32) * 1e-3, torch.randn(1, 32) * 1e3
+    together = q(torch.cat([quiet, loud]))
+    assert torch.equal(together[:1], q(quiet)) and torch.equal(together[1:], q(loud))
+    assert float(torch.nn.functional.cosine_similarity(together[:1] - q.bias, quiet @ q_weight(q), dim=-1)) > 0.999
+
+
+def q_weight(q: Int8Linear) -> torch.Tensor:
+    return q.weight_int8.float() * q.weight_scale
+
+
+def test_a_zero_token_gives_the_bias():
+    q = Int8Linear(torch.nn.Linear(8, 3))
+    assert torch.allclose(q(torch.zeros(2, 8)), q.bias.expand(2, 3))
+
+
+def test_every_linear_layer_is_replaced_and_nothing_else():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.ModuleDict({"q": torch.nn.Linear(8, 8), "o": torch.nn.Linear(8, 8)})
+            self.ffn = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+            self.norm = torch.nn.LayerNorm(8)
+            self.emb = torch.nn.Embedding(10, 8)
+
+    block = Block()
+    assert quantize_linears(block) == 4
+    replaced = (block.attn["q"], block.attn["o"], block.ffn[0], block.ffn[2])
+    assert [type(m).__name__ for m in replaced] == ["Int8Linear"] * 4
+    assert isinstance(block.norm, torch.nn.LayerNorm) and isinstance(block.emb, torch.nn.Embedding)
+    assert quantize_linears(block) == 0  # already done: nothing left to replace
+
+
+def test_the_int8_layer_exports_as_plain_aten_ops():
+    q = Int8Linear(torch.nn.Linear(16, 8))
+    exported = torch.export.export(q, (torch.randn(5, 16),))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert "aten._int_mm.default" in targets
+    assert torch.equal(exported.module()(torch.ones(5, 16)), q(torch.ones(5, 16)))
