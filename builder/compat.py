@@ -142,6 +142,9 @@ class KnowledgeBase:
     def arch(self, sm: str) -> dict | None:
         return next((r for r in self.rows("sm", "archs") if r["sm"] == sm), None)
 
+    def precision(self, precision: str) -> dict | None:
+        return next((r for r in self.data.get("precisions", ()) if r["precision"] == precision), None)
+
 
 # table -> the keys of its rows written in the range notation
 _RANGE_FIELDS: dict[tuple[str, ...], tuple[str, ...]] = {
@@ -465,6 +468,15 @@ def driver_path(cuda: str, driver: str, gpu_brand: str | None = None, kb: Knowle
     hint += (f"; on a data-center GPU it would run through forward compatibility ({info['package']}): "
              f"give --gpu-brand datacenter if it is one")
     return DriverPath("none", floor, f"{hint} {src}", src)
+
+
+def precision_problem(precision: str, sm: str, kb: KnowledgeBase | None = None) -> str | None:
+    """Why an engine in PRECISION cannot run on sm_SM (the knowledge base's precisions table), or None."""
+    kb = kb or knowledge_base()
+    row = kb.precision(precision)
+    if row is None or _sm_num(normalize_sm(sm)) >= _sm_num(row["min_sm"]):
+        return None
+    return f"{precision} engines need sm_{row['min_sm']} or newer, not sm_{sm} {kb.source_text(row)}"
 
 
 def cubin_runs_on(built_sm: str, device_sm: str, kb: KnowledgeBase | None = None) -> bool:

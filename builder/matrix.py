@@ -19,7 +19,7 @@ from .yamlio import YamlDocument, load_yaml, validate
 # Variables a tag template may use; plan fills them per variant.
 TAG_VARIABLES = frozenset({
     "image", "flavour", "backend", "device", "cuda", "cuda_nodot", "sm", "driver", "tensorrt",
-    "tensorrt_llm", "vllm", "torch", "python", "python_nodot", "base", "build_id",
+    "tensorrt_llm", "vllm", "torch", "python", "python_nodot", "base", "precision", "build_id",
 })
 
 DEFAULT_RUNNERS = {"gpu": ("self-hosted", "linux", "x64", "gpu-sm{sm}"), "cpu": ("ubuntu-24.04",)}
@@ -161,6 +161,8 @@ def _newest(doc: YamlDocument, axes: dict, where: tuple, raw: dict, taken: set) 
             raise doc.error(where + ("newest", i), f"{axis} is crossed or fixed already; newest picks one value")
         if axis not in axes:
             raise doc.error(where + ("newest", i), f"newest: {axis} but the matrix declares no axes.{axis}")
+        if axis == "precision":  # not a version: there is no newest, cross or set it
+            raise doc.error(where + ("newest", i), "newest: precision has no newest value; cross it (axes) or set it")
     return newest
 
 

@@ -20,6 +20,7 @@ from .axes import AXES, COMBO_AXES, LONG_TAG_PREFIXES
 from .backends import backend
 from .errors import ConfigError
 from .matrix import Flavour, ImageEntry, Matrix
+from .runtime.backends.registry import backend_info
 
 _DOCKER_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -38,6 +39,7 @@ class Axes:
     torch: str | None = None
     python: str | None = None
     base: str | None = None
+    precision: str | None = None  # the engine's, where the flavour crosses or sets it (else the recipe's)
 
     @classmethod
     def of(cls, values: Mapping) -> Axes:
@@ -237,8 +239,22 @@ def _default_long_tag(short: str, values: dict) -> str:
     return "-".join(parts) + f"-b{values['build_id']}"
 
 
-def _resolve(matrix: Matrix, flavour: Flavour, values: dict,
-             verdict: compat.Verdict) -> tuple[Resolved | None, list[str]]:
+def _precision_problems(flavour: Flavour, recipe_precision: str, values: dict) -> list[str]:
+    """Why the variant's engine precision (its precision axis, else its recipe's) cannot be built: the backend
+    compiles no such engines on the device (its description's precisions), or the GPU arch lacks it (the
+    knowledge base's precisions table)."""
+    precision = values.get("precision") or recipe_precision
+    takes = backend_info(flavour.backend).precisions(flavour.device)
+    if precision not in takes:
+        return [f"backend {flavour.backend} compiles no {precision} engines on {flavour.device} "
+                f"(it takes {', '.join(takes)})"]
+    on_gpu = flavour.device == "cuda" and values.get("sm")
+    problem = compat.precision_problem(precision, values["sm"]) if on_gpu else None
+    return [problem] if problem else []
+
+
+def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Verdict,
+             recipe_precision: str) -> tuple[Resolved | None, list[str]]:
     """Everything a template, label or guard needs, derived once here; None with the reasons where the
     combination cannot be built."""
     reasons = []
@@ -270,6 +286,7 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict,
         elif cuda and Version(cuda) < Version(spec.cuda_from_pypi_min):
             reasons.append(f"backend {spec.name} builds on a base without CUDA from CUDA "
                            f"{spec.cuda_from_pypi_min} on, not {cuda}: {spec.cuda_from_pypi_why}")
+    reasons += _precision_problems(flavour, recipe_precision, values)
     backend_axis = spec.version_axis  # its value is "the backend's version" in labels
     backend_version = verdict.resolved.get(backend_axis)  # compat.check keeps every given value, adds implied
     if not backend_version:
@@ -292,7 +309,8 @@ def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour,
         reasons, verdict = _pick_newest(matrix, flavour, values)
         resolved = None
         if not reasons:
-            resolved, reasons = _resolve(matrix, flavour, values, verdict)
+            resolved, reasons = _resolve(matrix, flavour, values, verdict,
+                                         entry.recipe.precision_for(flavour.device))
         tag_values = _tag_values(matrix, entry.name, flavour, values | {"torch": resolved and resolved.torch})
         where = f"images.{entry.name}.flavours.{flavour.name}"
         axes = Axes.of(values)

@@ -75,7 +75,11 @@ class Recipe:
     start_timeout_s: int
     task: str = "embedding"  # embedding | chat (chat recipes have no embedding block)
 
-    def precision_for(self, device: str) -> str:
+    def precision_for(self, device: str, axis: str | None = None) -> str:
+        """The engine's precision on DEVICE: the variant's precision axis where its flavour has one, else
+        the recipe's (cpu_precision on cpu, precision on cuda)."""
+        if axis:
+            return axis
         return self.engine.cpu_precision if device == "cpu" else self.engine.precision
 
     @property

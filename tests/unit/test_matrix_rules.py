@@ -49,7 +49,7 @@ images:
 """
 GPU = "images.minilm-embed.flavours.gpu"
 CPU = "images.minilm-embed.flavours.cpu"
-AXIS_NAMES = "base, cuda, driver, python, sm, tensorrt, tensorrt_llm, torch, vllm"
+AXIS_NAMES = "base, cuda, driver, precision, python, sm, tensorrt, tensorrt_llm, torch, vllm"
 NV_BASE = '  nv:\n    kind: image\n    ref: "nvidia/cuda:{cuda_tag}"\n    python: "3.10"\n'
 
 
@@ -163,7 +163,7 @@ def test_cli_unknown_key_exits_2_with_one_line(workdir, recipe_key):
 
 # --------------------------------------------------------------------------- rules
 NOT_SM = "not a GPU architecture (sm): '8'; write e.g. 86, '8.6', 'sm_86' or 'sm_90a'"
-KNOWN_VARIABLES = ("backend, base, build_id, cuda, cuda_nodot, device, driver, flavour, image, python, "
+KNOWN_VARIABLES = ("backend, base, build_id, cuda, cuda_nodot, device, driver, flavour, image, precision, python, "
                    "python_nodot, sm, tensorrt, tensorrt_llm, torch, vllm")
 GPU_SET = "          base: deb\n        tag: \"cu"  # the end of the gpu flavour's set block
 NEWEST = "        newest: [torch]\n"

@@ -244,3 +244,71 @@ def test_select_filters_variants_and_rejections(workdir):
     assert plan.combinations == 5  # what was planned, before selecting
     only_rejected = plan_of(workdir, *edits, select=("*:cu121-sm120",))  # a pattern may match a rejection only
     assert only_rejected.variants == () and [r.id for r in only_rejected.rejected] == ["minilm-embed:cu121-sm120"]
+
+
+# --------------------------------------------------------------------------- the precision axis
+PRECISION_AXIS = ("  base: [deb, cu]\n", "  base: [deb, cu]\n  precision: [fp32, bf16, int8, fp8]\n")
+CPU_PRECISIONS = (CPU_TAG, "        axes:\n          precision: [fp32, int8, bf16]\n        tag: cpu-{precision}\n")
+
+
+def test_a_cpu_flavour_crosses_the_precisions_its_backend_takes_there(workdir):
+    """Crossing precision: one variant per value, named by {precision} in the tag, the value in the variant's
+    axes and its engine parameters; a precision the backend does not compile on the device is rejected with
+    the backend's own list (torch-aot on cpu: fp32, int8)."""
+    from builder.render import _context, engine_params
+
+    plan = plan_of(workdir, PRECISION_AXIS, CPU_PRECISIONS, select=("minilm-embed:cpu-*",))
+    assert [v.id for v in plan.variants] == ["minilm-embed:cpu-fp32", "minilm-embed:cpu-int8"]
+    int8 = plan.variants[1]
+    assert int8.axes.precision == "int8" and int8.axes.to_json()["precision"] == "int8"
+    assert list(int8.axes.to_json())[-1] == "precision"  # AXES order: last
+    (bf16,) = plan.rejected
+    assert bf16.id == "minilm-embed:cpu-bf16"
+    assert bf16.reasons == ("backend torch-aot compiles no bf16 engines on cpu (it takes fp32, int8)",)
+    matrix = load_matrix(workdir / "matrix.yaml")
+    assert engine_params(int8, _context(matrix, int8)).precision == "int8"
+    fp32 = plan.variants[0]
+    assert engine_params(fp32, _context(matrix, fp32)).precision == "fp32"
+
+
+def test_without_the_axis_the_recipe_decides_and_is_checked_too(workdir):
+    """No precision axis: the recipe's precision for the device (cpu_precision on cpu), held to the same
+    rule: a recipe asking bf16 on cpu gets a rejected variant, not a failed build."""
+    plan = plan_of(workdir, select=("minilm-embed:cpu",))
+    assert [v.id for v in plan.variants] == ["minilm-embed:cpu"] and plan.variants[0].axes.precision is None
+    recipe = workdir / "images" / "minilm-embed" / "image.yaml"
+    recipe.write_text(recipe.read_text().replace("cpu_precision: fp32", "cpu_precision: bf16"))
+    plan = make_plan(load_matrix(workdir / "matrix.yaml"), ("minilm-embed:cpu",))
+    assert not plan.variants
+    assert plan.rejected[0].reasons == ("backend torch-aot compiles no bf16 engines on cpu (it takes fp32, int8)",)
+
+
+def test_fp8_needs_sm_89_from_the_knowledge_base():
+    """The knowledge base's precisions table: fp8 from sm_89 (Ada) on, with its source; other precisions
+    have no arch floor there."""
+    message = compat.precision_problem("fp8", "80")
+    assert message.startswith("fp8 engines need sm_89 or newer, not sm_80 (source: TRT-MATRIX")
+    assert compat.precision_problem("fp8", "86") is not None
+    assert compat.precision_problem("fp8", "89") is None and compat.precision_problem("fp8", "90") is None
+    assert compat.precision_problem("fp8", "120") is None and compat.precision_problem("bf16", "75") is None
+
+
+def test_a_gpu_flavour_whose_backend_takes_fp8_is_rejected_below_sm_89(workdir):
+    plan = plan_of(workdir, PRECISION_AXIS,
+                   ("        backend: torch-aot\n        device: cuda\n",
+                    "        backend: tensorrt\n        device: cuda\n"),
+                   ("        axes:\n          cuda: all\n          sm: all\n",
+                    "        axes:\n          cuda: all\n          sm: all\n          precision: [fp8]\n"),
+                   ("        newest: [torch]\n", "        newest: [tensorrt, torch]\n"),
+                   ('  torch: ["2.6.0", "2.7.1"]\n', '  torch: ["2.6.0", "2.7.1"]\n  tensorrt: ["10.9.0"]\n'),
+                   select=("minilm-embed:cu*",))
+    fp8_reasons = {r.id: r.reasons for r in plan.rejected}
+    assert any("fp8 engines need sm_89 or newer, not sm_80" in " ".join(reasons)
+               for rid, reasons in fp8_reasons.items() if "sm80" in rid), fp8_reasons
+    assert not any("fp8" in " ".join(reasons) for rid, reasons in fp8_reasons.items() if "sm90" in rid)
+
+
+def test_newest_cannot_pick_a_precision(workdir):
+    with pytest.raises(ConfigError, match="newest: precision has no newest value; cross it"):
+        load_matrix(write(workdir, edited(PLAN_MINI, PRECISION_AXIS, ("        newest: [torch]\n",
+                                                                         "        newest: [torch, precision]\n"))))
