@@ -8,7 +8,14 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the runtime needs torch")
 
-from builder.runtime.quantize import QMAX, Int8Linear, quantize_linears, quantize_rows  # noqa: E402
+from builder.runtime.quantize import (  # noqa: E402
+    QMAX,
+    Int8Linear,
+    input_ranges,
+    quantize_linears,
+    quantize_rows,
+    smoothing_factors,
+)
 
 pytestmark = pytest.mark.runtime
 
@@ -107,3 +114,44 @@ def test_the_int8_layer_exports_as_plain_aten_ops():
     targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
     assert "aten._int_mm.default" in targets
     assert torch.equal(exported.module()(torch.ones(5, 16)), q(torch.ones(5, 16)))
+
+
+def test_smoothing_moves_an_outlier_channel_into_the_weights():
+    """Activations with one channel 50x the rest (as a special token's hidden state): smoothed by the
+    calibrated range, the layer computes the same product in float64 (x / s quantized, W * s quantized)
+    and lands far closer to fp32 than without smoothing."""
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    x[:, 5] *= 50
+    ranges = x.abs().amax(dim=0)
+    smooth = smoothing_factors(ranges, layer.weight.detach())
+    assert torch.allclose(smooth, ranges ** 0.5 / layer.weight.detach().abs().amax(dim=0) ** 0.5)
+    q = Int8Linear(layer, ranges)
+    assert torch.allclose(q.input_divisor, 1 / smooth)
+    with torch.no_grad():
+        want = layer(x).double()
+        w = layer.weight.double() * smooth.double()
+        w_scale = w.abs().amax(dim=1, keepdim=True) / QMAX
+        rows = x.double() / smooth.double()
+        x_scale = rows.abs().amax(dim=1, keepdim=True) / QMAX
+        exact = ((torch.round(rows / x_scale) @ torch.round(w / w_scale).t()) * x_scale * w_scale.t()
+                 + layer.bias.double())
+        smoothed, plain = q(x).double(), Int8Linear(layer)(x).double()
+    assert torch.allclose(smoothed, exact, rtol=1e-4, atol=1e-4)
+    assert (smoothed - want).norm() < 0.5 * (plain - want).norm()
+
+
+def test_input_ranges_record_each_layers_largest_input_per_channel():
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    calls = [torch.tensor([[1.0, -2.0, 0.0, 0.5]]), torch.tensor([[-3.0, 1.0, 0.25, 0.0], [0.0, 0.0, 0.0, -4.0]])]
+    ranges = input_ranges(layers, lambda: (layers(c) for c in calls))
+    assert set(ranges) == {"0", "2"}
+    assert ranges["0"].tolist() == [3.0, 2.0, 0.25, 4.0]
+    with torch.no_grad():
+        hidden = torch.cat([torch.relu(layers[0](c)) for c in calls])
+    assert torch.allclose(ranges["2"], hidden.abs().amax(dim=0))
+    assert not layers[0]._forward_hooks and not layers[2]._forward_hooks  # hooks removed
+    first = layers[0].weight.detach().clone()
+    assert quantize_linears(layers, ranges) == 2
+    assert torch.allclose(layers[0].input_divisor, 1 / smoothing_factors(ranges["0"], first))

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from ..packed import attention_plan
+from ..packed import attention_plan, pack
 from ..params import EngineParams
-from ..quantize import quantize_linears
+from ..quantize import CALIBRATION_TEXTS, SMOOTHING, input_ranges, quantize_linears
 from ..sdpa import sdpa_kernels, sdpa_summary
+from ..tokenization import TextEncoder
 from . import dense_packing
 from .torch_common import (
     DTYPES,
@@ -58,9 +59,9 @@ def version() -> str:
 
 def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
-    # int8 (CPU): an fp32 body whose linear layers compute in int8 (quantize.py)
+    # int8 (CPU): an fp32 body whose linear layers compute in int8, smoothed by a calibration pass (quantize.py)
     module = build_module(model_dir, params, DTYPES.get(params.precision, torch.float32), params.device)
-    quantized = quantize_linears(module.body) if params.precision == "int8" else 0
+    quantized = quantize_linears(module.body, calibrate(module, model_dir, params)) if params.precision == "int8" else 0
     example = tuned_example(params, params.device, pad_left=params.pad_left)
     # On CUDA, SDPA's kernel choice is baked in here (no cuDNN by default: see sdpa.py).
     kernels = sdpa_kernels() if params.device == "cuda" else nullcontext()
@@ -81,13 +82,29 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
              else "x".join(map(str, example[0].shape)))
     recorded = {"tuned_for": tuned, "input_form": params.input_form, "inductor_options": options}
     if quantized:
-        recorded["int8_linear_layers"] = quantized
+        recorded["int8"] = {"linear_layers": quantized, "smoothing_alpha": SMOOTHING,
+                            "calibration_texts": len(CALIBRATION_TEXTS)}
     if params.packed:
         recorded["packed_attention"] = attention_plan(params.device, params.precision, dense_packing(params))
     if params.device == "cuda":
         recorded["sdpa"] = sdpa_summary(exported.graph)
     return {"artifact": so.relative_to(out_dir).as_posix(), "export_dims": dims,
             "embedding_dim": int(module.body.config.hidden_size), "fingerprint": recorded}  # in engine.json
+
+
+def calibrate(module, model_dir: str, params: EngineParams) -> dict:
+    """Each linear layer's input range over the calibration texts, one text per call in the engine's form."""
+    encoder = TextEncoder(model_dir, params.pooling, params.instruction)
+    ids = [seq[:params.max_seq_len] for seq in encoder.encode(list(CALIBRATION_TEXTS))]
+
+    def run():
+        for seq in ids:
+            if params.packed:
+                yield module(*(t.to(params.device) for t in pack([seq], dense_packing(params))))
+            else:
+                t = torch.tensor([seq], device=params.device)
+                yield module(t, torch.ones_like(t))
+    return input_ranges(module.body, run)
 
 
 def unpack(package: Path, dest: Path) -> Path:
