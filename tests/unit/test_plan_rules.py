@@ -291,6 +291,9 @@ def test_fp8_needs_sm_89_from_the_knowledge_base():
     assert compat.precision_problem("fp8", "86") is not None
     assert compat.precision_problem("fp8", "89") is None and compat.precision_problem("fp8", "90") is None
     assert compat.precision_problem("fp8", "120") is None and compat.precision_problem("bf16", "75") is None
+    kb = compat.knowledge_base()
+    without = compat.KnowledgeBase(data={k: v for k, v in kb.data.items() if k != "precisions"}, path=kb.path)
+    assert compat.precision_problem("fp8", "80", without) is None  # the table is optional: no floor then
 
 
 def test_a_gpu_flavour_whose_backend_takes_fp8_is_rejected_below_sm_89(workdir):

@@ -155,3 +155,20 @@ def test_input_ranges_record_each_layers_largest_input_per_channel():
     first = layers[0].weight.detach().clone()
     assert quantize_linears(layers, ranges) == 2
     assert torch.allclose(layers[0].input_divisor, 1 / smoothing_factors(ranges["0"], first))
+
+
+def test_ranges_are_per_channel_of_the_last_dim_and_named_by_their_full_path():
+    """Inputs as the engine's body sees them, [batch, tokens, hidden], and two blocks whose layers have the
+    same attribute name: each layer's range is over its own hidden channels, under its own dotted name."""
+    blocks = torch.nn.ModuleList([torch.nn.ModuleDict({"fc": torch.nn.Linear(6, 6)}) for _ in range(2)])
+
+    def run():
+        x = torch.arange(2 * 3 * 6, dtype=torch.float32).reshape(2, 3, 6) - 10
+        for block in blocks:
+            x = block["fc"](x)
+            yield x
+
+    ranges = input_ranges(blocks, run)
+    assert sorted(ranges) == ["0.fc", "1.fc"]
+    assert ranges["0.fc"].tolist() == [20.0, 21.0, 22.0, 23.0, 24.0, 25.0]  # max |x| of each of the 6 channels
+    assert ranges["1.fc"].shape == (6,) and not torch.equal(ranges["0.fc"], ranges["1.fc"])
