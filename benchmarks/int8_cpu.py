@@ -9,7 +9,8 @@ side in one run: accuracy (the compile gate), the raw engine, and served through
    engine.json's accuracy (min and mean cosine against the fp32 eager model) and its library's size.
 2. Raw: both engines in this process on one log-normal workload (benchmarks/served_vs_raw.py's, median
    58 tokens), calls of 32 texts, rounds alternating between the engines; the median of the rounds.
-3. torchao (if installed): its Int8DynamicActivationInt8WeightConfig on the same module, through the same
+3. torchao (if installed): its Int8DynamicActivationInt8WeightConfig (and, for speed only, its
+   Int8WeightOnlyConfig) on the same module, through the same
    export and AOTInductor compile, timed in the same rounds, its cosine on the gate's texts, and the time
    its import takes (the library this project did not take: builder/runtime/quantize.py says why).
 4. Served: `python -m builder.runtime serve` on each engine, then one `python -m builder bench
@@ -63,22 +64,24 @@ def compile_engine(precision: str, work: Path) -> dict:
             "int8_linear_layers": data.get("int8_linear_layers", 0)}
 
 
-def torchao_runner(work: Path):
-    """torchao's dynamic int8 on the same packed module, exported and compiled as torch-aot does."""
+def torchao_runner(work: Path, weight_only: bool = False):
+    """torchao's dynamic int8 (or its int8 weight-only) on the same packed module, exported and compiled
+    as torch-aot does."""
     if importlib.util.find_spec("torchao") is None:
         return None, "torchao is not installed"
     import torch
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
     from builder.runtime.backends.torch_common import build_module, export_graph, tuned_example
     from builder.runtime.params import EngineParams
 
     params = EngineParams.from_dict({**PARAMS, "precision": "fp32"})
     module = build_module(str(model_dir()), params, torch.float32, "cpu")
-    quantize_(module.body, Int8DynamicActivationInt8WeightConfig())
+    quantize_(module.body, Int8WeightOnlyConfig() if weight_only else Int8DynamicActivationInt8WeightConfig())
+    name = "torchao-weight-only" if weight_only else "torchao"
     with torch.no_grad():
         exported, _ = export_graph(module, tuned_example(params, "cpu", pad_left=False), params)
-        path = torch._inductor.aoti_compile_and_package(exported, package_path=str(work / "torchao.pt2"))
+        path = torch._inductor.aoti_compile_and_package(exported, package_path=str(work / f"{name}.pt2"))
     runner = torch._inductor.aoti_load_package(path)
     return runner, torch.__version__
 
@@ -116,6 +119,12 @@ def raw(engines: dict[str, str], texts: list[str], rounds: int, work: Path) -> d
             with torch.no_grad():
                 return [ao(*p) for p in packed]
         calls["torchao-int8"] = ao_call
+        wo, _ = torchao_runner(work, weight_only=True)
+
+        def wo_call():
+            with torch.no_grad():
+                return [wo(*p) for p in packed]
+        calls["torchao-int8-weight-only"] = wo_call
         ref = torch.cat([opened["fp32"].embed_tensor(seqs[i:i + step]) for i in range(0, len(seqs), step)])
         got = torch.cat(ao_call()).float()
         ao_cos = torch.nn.functional.cosine_similarity(got, ref.float(), dim=-1)
