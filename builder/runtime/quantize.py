@@ -18,10 +18,11 @@ model over CALIBRATION_TEXTS (fixed here, apart from the gate's texts, so the ga
 the calibration never saw): min cosine 0.9948, mean 0.9981 on MiniLM. The division is one multiply
 that Inductor fuses into the activation's quantization.
 
-Written here rather than taken from torchao: torchao's Int8DynamicActivationInt8WeightConfig exports
-and compiles through AOTInductor too, but it does not smooth, and on MiniLM it reaches min cosine 0.987
-on the gate's texts (below the recipe's 0.99), and importing it costs 1.4 s (benchmarks/int8_cpu.py).
-This is the same arithmetic in plain aten ops.
+Written here rather than taken from torchao, measured side by side (benchmarks/int8_cpu.py, docs/
+performance.md "int8 on the CPU"): torchao's Int8DynamicActivationInt8WeightConfig exports and compiles
+through AOTInductor too, but it does not smooth (MiniLM: min cosine 0.989 on the gate's texts, below the
+recipe's 0.99), ran at 0.96-1.28x fp32 where this runs at 2.3-2.4x, and importing it costs 1.2-1.3 s
+and warns about its CUDA extensions in a CPU image. Its weight-only int8 ran at 0.67-0.81x fp32.
 """
 from __future__ import annotations
 
