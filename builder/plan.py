@@ -20,7 +20,7 @@ from .axes import AXES, COMBO_AXES, LONG_TAG_PREFIXES
 from .backends import backend
 from .errors import ConfigError
 from .matrix import Flavour, ImageEntry, Matrix
-from .runtime.backends.registry import backend_info
+from .runtime.params import backend_precisions  # the contract (torch-free): what each backend compiles
 
 _DOCKER_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
@@ -244,7 +244,7 @@ def _precision_problems(flavour: Flavour, recipe_precision: str, values: dict) -
     compiles no such engines on the device (its description's precisions), or the GPU arch lacks it (the
     knowledge base's precisions table)."""
     precision = values.get("precision") or recipe_precision
-    takes = backend_info(flavour.backend).precisions(flavour.device)
+    takes = backend_precisions(flavour.backend, flavour.device)
     if precision not in takes:
         return [f"backend {flavour.backend} compiles no {precision} engines on {flavour.device} "
                 f"(it takes {', '.join(takes)})"]

@@ -35,6 +35,12 @@ PADDED_SHAPE_POLICY = f"dynamic batch 1..max_batch, seq 2..max_seq_len, padded t
 PACKED_SHAPE_POLICY = "packed: up to max_batch sequences and max_batch_tokens tokens a call, no padding"
 
 
+def backend_precisions(backend: str, device: str) -> tuple[str, ...]:
+    """The precisions BACKEND compiles engines in on DEVICE (its description's precisions): what the plan
+    checks a variant's precision against, and what EngineParams accepts."""
+    return backend_info(backend).precisions(device)
+
+
 @dataclass(frozen=True)
 class EngineParams:
     backend: str = "torch-aot"
@@ -82,9 +88,10 @@ class EngineParams:
         if self.pooling not in POOLINGS:
             raise UsageError(f"--pooling must be one of {POOLINGS}, got {self.pooling!r}")
         backend = backend_info(self.backend)
-        if self.precision not in backend.precisions(self.device):
+        takes = backend_precisions(self.backend, self.device)
+        if self.precision not in takes:
             raise UsageError(f"--precision {self.precision} is not one {self.backend} takes on {self.device} "
-                             f"({', '.join(backend.precisions(self.device))})")
+                             f"({', '.join(takes)})")
         if self.compile_mode not in COMPILE_MODES:
             raise UsageError(f"--compile-mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         self._check_graph_form(backend)
