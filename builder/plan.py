@@ -239,11 +239,10 @@ def _default_long_tag(short: str, values: dict) -> str:
     return "-".join(parts) + f"-b{values['build_id']}"
 
 
-def _precision_problems(flavour: Flavour, recipe_precision: str, values: dict) -> list[str]:
-    """Why the variant's engine precision (its precision axis, else its recipe's) cannot be built: the backend
+def _precision_problems(flavour: Flavour, precision: str, values: dict) -> list[str]:
+    """Why the variant's engine PRECISION (its precision axis, else its recipe's) cannot be built: the backend
     compiles no such engines on the device (its description's precisions), or the GPU arch lacks it (the
     knowledge base's precisions table)."""
-    precision = values.get("precision") or recipe_precision
     takes = backend_precisions(flavour.backend, flavour.device)
     if precision not in takes:
         return [f"backend {flavour.backend} compiles no {precision} engines on {flavour.device} "
@@ -254,7 +253,7 @@ def _precision_problems(flavour: Flavour, recipe_precision: str, values: dict) -
 
 
 def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Verdict,
-             recipe_precision: str) -> tuple[Resolved | None, list[str]]:
+             precision: str) -> tuple[Resolved | None, list[str]]:
     """Everything a template, label or guard needs, derived once here; None with the reasons where the
     combination cannot be built."""
     reasons = []
@@ -286,7 +285,7 @@ def _resolve(matrix: Matrix, flavour: Flavour, values: dict, verdict: compat.Ver
         elif cuda and Version(cuda) < Version(spec.cuda_from_pypi_min):
             reasons.append(f"backend {spec.name} builds on a base without CUDA from CUDA "
                            f"{spec.cuda_from_pypi_min} on, not {cuda}: {spec.cuda_from_pypi_why}")
-    reasons += _precision_problems(flavour, recipe_precision, values)
+    reasons += _precision_problems(flavour, precision, values)
     backend_axis = spec.version_axis  # its value is "the backend's version" in labels
     backend_version = verdict.resolved.get(backend_axis)  # compat.check keeps every given value, adds implied
     if not backend_version:
@@ -310,7 +309,7 @@ def _plan_flavour(matrix: Matrix, entry: ImageEntry, flavour: Flavour,
         resolved = None
         if not reasons:
             resolved, reasons = _resolve(matrix, flavour, values, verdict,
-                                         entry.recipe.precision_for(flavour.device))
+                                         entry.recipe.precision_for(flavour.device, values.get("precision")))
         tag_values = _tag_values(matrix, entry.name, flavour, values | {"torch": resolved and resolved.torch})
         where = f"images.{entry.name}.flavours.{flavour.name}"
         axes = Axes.of(values)

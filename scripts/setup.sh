@@ -150,13 +150,15 @@ dockerd_path() {  # the daemon binary to start, or "" (it lives in sbin, which a
     PATH="$PATH:/usr/sbin:/sbin" command -v "${MOPT_DOCKERD:-dockerd}" 2>/dev/null || true
 }
 
+docker_service() { systemd_running && systemctl cat docker.service >/dev/null 2>&1; }  # systemd can start one
+
 has_engine() {  # the docker CLI found has a daemon: one answers, or one can be started here
     [ -n "${DOCKER_HOST:-}" ] && return 0
     DOCKER="$(docker_cli)"
     probe_docker
     [ "$DOCKER_STATE" != down ] && return 0
     [ -n "$(dockerd_path)" ] && return 0
-    systemd_running && systemctl cat docker.service >/dev/null 2>&1
+    docker_service
 }
 
 choose_packages() {
@@ -290,7 +292,7 @@ start_dockerd() {
     local pidfile=/var/run/docker.pid
     if [ -f "$pidfile" ] && proc_alive "$(cat "$pidfile" 2>/dev/null)"; then
         say "docker daemon: dockerd (pid $(cat "$pidfile")) is running, waiting for it"
-    elif systemd_running && systemctl cat docker.service >/dev/null 2>&1; then
+    elif docker_service; then
         say "docker daemon: systemctl start docker"
         "${SUDO[@]}" systemctl start docker.service || die "systemctl start docker failed (see 'journalctl -u docker')"
     else

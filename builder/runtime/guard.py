@@ -16,7 +16,7 @@ from .backends import backend_info, get_backend
 from .errors import GuardError
 from .fitting import ENV_CACHE, ENV_RECOMPILE, fitting_tag, sm_label
 from .hostinfo import HostFacts, host_facts
-from .params import EngineParams
+from .params import EngineParams, backend_precisions
 
 LAST_CHECK_SECONDS: dict[str, float] = {}  # each overlapped part of the last check() (start-up benchmarks read it)
 
@@ -178,7 +178,7 @@ def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) ->
                          "io.mopt.model.weights=in-engine, ships the model without them)") from None
     device = "cuda" if facts.sm else "cpu"
     # The engine's precision where its backend takes it on this device (bf16 on a GPU, int8 on a CPU), else fp32.
-    kept = old.precision in backend_info(old.backend).precisions(device)
+    kept = old.precision in backend_precisions(old.backend, device)
     params = EngineParams.from_dict({**old.to_dict(), "device": device, "precision": old.precision if kept else "fp32"})
     key_src = {"model": data["model_digest"], "params": params.to_dict(), "host": facts.to_dict()}
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
