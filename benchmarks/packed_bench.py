@@ -3,6 +3,11 @@
     PYTHONUNBUFFERED=1 CXX=g++ python3 benchmarks/packed_bench.py --family qwen3|bert|xlmr --out $OUT \
         [--layers N] [--device cuda|cpu] [--precision bf16] [--batch 64] [--seq 512] [--forms padded,packed]
 
+A form is an input form (padded, packed) with options after colons: `packed:unfused` compiles with
+MOPT_FUSED_QK=0 (transformers' q/k norm and rotation instead of the fused kernel, fused_qk.py), and a
+precision (`packed:fp8`) overrides --precision for that engine. The engines compile in parallel, one
+process each (the compile is mostly CPU work; the machine's cores are many).
+
 Builds a random-weight model of the family's shape (qwen3: Qwen3-Embedding-0.6B, a causal decoder with
 last-token pooling; bert: BERT-base, 12 layers, hidden 768, a bidirectional encoder with mean pooling,
 the shape of bge/e5/gte; xlmr: XLM-R-large, 24 layers, hidden 1024, positions from padding_idx + 1,
@@ -28,6 +33,7 @@ import random
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--max-seqs", type=int, default=0, help="packed engines: the sequence cap of a call (default "
                    "--batch); their token budget is BATCH x SEQ either way")
     p.add_argument("--no-jit", action="store_true", help="leave out torch.compile")
+    p.add_argument("--no-eager", action="store_true", help="leave out eager transformers (and torch.compile)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each case (the best is kept)")
+    p.add_argument("--min-cosine", type=float, default=None, help="the compile step's gate (default its own); "
+                   "-1 keeps every engine for timing, its cosine still reported")
+    p.add_argument("--profile", action="store_true", help="the top CUDA kernels of each engine at BATCH x SEQ")
     return p.parse_args(argv)
 
 
@@ -88,28 +98,55 @@ def make_model(dest: Path, family: str, layers: int) -> Path:
     return dest
 
 
-def compile_engine(model: Path, out: Path, a, form: str) -> dict:
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "int8")
+
+
+def form_options(form: str, a) -> tuple[str, str, dict]:
+    """`packed:unfused:fp8` -> (input form, precision, extra environment)."""
+    base, *options = form.split(":")
+    unknown = [o for o in options if o != "unfused" and o not in PRECISIONS]
+    if base not in ("padded", "packed") or unknown:
+        raise SystemExit(f"packed_bench: unknown form {form!r}")
+    precision = next((o for o in options if o in PRECISIONS), a.precision)
+    return base, precision, {"MOPT_FUSED_QK": "0"} if "unfused" in options else {}
+
+
+def start_compile(model: Path, out: Path, a, form: str):
+    """The compile step for one form, started (Popen) with its argv's start time."""
     fam = FAMILIES[a.family]
+    base, precision, env = form_options(form, a)
     args = [sys.executable, "-m", "builder.runtime", "compile", "--model", str(model), "--out", str(out),
-            "--backend", "torch-aot", "--device", a.device, "--precision", a.precision,
-            "--max-seq-len", str(a.seq), "--pooling", fam["pooling"], "--normalize", "--input", form]
-    if form == "packed":
+            "--backend", "torch-aot", "--device", a.device, "--precision", precision,
+            "--max-seq-len", str(a.seq), "--pooling", fam["pooling"], "--normalize", "--input", base]
+    if base == "packed":
         args += ["--max-batch", str(a.max_seqs or a.batch), "--max-batch-tokens", str(a.batch * a.seq)]
     else:
         args += ["--max-batch", str(a.batch)]
-    if form == "padded" and fam["attention"] == "causal":
+    if base == "padded" and fam["attention"] == "causal":
         args += ["--attention", "causal"]
-    t = time.monotonic()
-    p = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        log = Path(a.out) / f"compile-{a.family}-{form}.log"
-        log.write_text(p.stderr)
-        lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("frame #")]
+    if a.min_cosine is not None:
+        args += ["--min-cosine", str(a.min_cosine)]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **env)), time.monotonic()
+
+
+def finish_compile(started, out: Path, a, form: str) -> dict:
+    proc, t = started
+    try:
+        stdout, stderr = proc.communicate(timeout=max(1, 900 - (time.monotonic() - t)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        log = Path(a.out) / f"compile-{a.family}-{form.replace(':', '-')}.log"
+        log.write_text(stderr)
+        lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("frame #")]
         return {"error": "\n".join(lines[-12:]), "log": log.name}
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
-    gate = json.loads((out / "engine.json").read_text()).get("accuracy_by_length")
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    engine = json.loads((out / "engine.json").read_text())
     return {"compile_s": round(time.monotonic() - t, 1), "engine_min_cosine": summary.get("engine_min_cosine"),
-            "accuracy_by_length": gate}
+            "accuracy_by_length": engine.get("accuracy_by_length"), "accuracy": engine.get("accuracy"),
+            "fused": engine.get("fused"), "fp8": engine.get("fp8")}
 
 
 def lognormal_lengths(seq: int, texts: int, rng) -> list[int]:
@@ -179,6 +216,10 @@ def measure(name: str, a, padded_call, engine=None) -> dict:
     return res
 
 
+def save(out: Path, report: dict) -> None:
+    (out / f"packed_bench_{report['family']}.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
 def _once(fn, arg) -> float:
     t = time.perf_counter()
     fn(arg)
@@ -224,26 +265,39 @@ def main(argv=None) -> int:
               "command": " ".join(["benchmarks/packed_bench.py", *(argv or sys.argv[1:])]), "compile": {},
               "results": {}}
     forms = [f for f in a.forms.split(",") if f]
+    engines = {form: work / f"engine-{a.family}-{form.replace(':', '-')}" for form in forms}
+    started = {form: start_compile(model, engines[form], a, form) for form in forms}
     for form in forms:
-        report["compile"][form] = compile_engine(model, work / f"engine-{a.family}-{form}", a, form)
+        report["compile"][form] = finish_compile(started[form], engines[form], a, form)
         print(f"compile {form}: {report['compile'][form]}", flush=True)
-    params = EngineParams(backend="torch-aot", device=a.device, precision=a.precision, pooling=fam["pooling"],
-                          max_batch=a.batch, max_seq_len=a.seq)
-    eager = build_module(str(model), params, DTYPES[a.precision], a.device, model_rotary=True)
-    dim = eager.body.config.hidden_size
-    report["results"]["eager"] = measure("eager", a, eager, padded_engine(eager, model, a, dim))
-    if not a.no_jit:
-        jit = torch.compile(eager, dynamic=True)
-        report["results"]["torch.compile"] = measure("torch.compile (dynamic)", a, jit,
-                                                     padded_engine(jit, model, a, dim))
-    del eager
+    if not a.no_eager:
+        params = EngineParams(backend="torch-aot", device=a.device, precision=a.precision, pooling=fam["pooling"],
+                              max_batch=a.batch, max_seq_len=a.seq)
+        eager = build_module(str(model), params, DTYPES[a.precision], a.device, model_rotary=True)
+        dim = eager.body.config.hidden_size
+        report["results"]["eager"] = measure("eager", a, eager, padded_engine(eager, model, a, dim))
+        if not a.no_jit:
+            jit = torch.compile(eager, dynamic=True)
+            report["results"]["torch.compile"] = measure("torch.compile (dynamic)", a, jit,
+                                                         padded_engine(jit, model, a, dim))
+        del eager
     for form in forms:
         if "error" in report["compile"][form]:
             continue
-        engine = Engine.open(work / f"engine-{a.family}-{form}")
+        engine = Engine.open(engines[form])
         report["results"][f"engine {form}"] = measure(f"engine {form}", a, engine.run, engine)
+        if a.profile and a.device == "cuda":
+            from benchmarks.gpu_bench import profile_calls
+            from builder.runtime.backends import dense_packing
+            from builder.runtime.packed import pack
+
+            ids, _, _ = padded_case(a.batch, a.seq, False, "cpu")
+            inputs = tuple(t.to(a.device) for t in pack([row.tolist() for row in ids], dense_packing(engine.params)))
+            call = partial(engine.run, *inputs)
+            report["results"][f"engine {form}"]["profile"] = profile_calls(call)
         del engine
-    (out / f"packed_bench_{a.family}.json").write_text(json.dumps(report, indent=1) + "\n")
+        save(out, report)  # after each engine: a run cut off by its time limit keeps what it measured
+    save(out, report)
     return 0
 
 

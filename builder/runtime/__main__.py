@@ -95,7 +95,7 @@ def _engine_flags(c: argparse.ArgumentParser, serving: bool = False) -> None:
     e.add_argument("--device", choices=contract.DEVICES, **flag)
     e.add_argument("--precision", choices=contract.PRECISIONS,
                    help="one the backend takes on the device: backends/<name>.yaml's precisions "
-                   "(int8: torch-aot on cpu, tensorrt; fp8: tensorrt)", **flag)
+                   "(int8: torch-aot on cpu, tensorrt; fp8: torch-aot and tensorrt on cuda, sm_89 and newer)", **flag)
     if not serving:
         e.add_argument("--max-batch", type=int, **flag)
     e.add_argument("--max-seq-len", type=int, **flag)

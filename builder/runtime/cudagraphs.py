@@ -75,10 +75,10 @@ def pad_call(ids: torch.Tensor, lengths: torch.Tensor, shape: tuple[int, int]) -
     """A packed call's (input_ids [1, tokens], seq_lengths [sequences]) padded to shape; the padding
     tokens are id 0 (any valid id: their sequences are dropped)."""
     tokens, sequences = ids.shape[1], lengths.shape[0]
-    padded_ids = torch.zeros(1, shape[0], dtype=ids.dtype)
+    padded_ids = torch.zeros(1, shape[0], dtype=ids.dtype, device=ids.device)  # where the call's are (CPU or GPU)
     padded_ids[0, :tokens] = ids[0]
     extra = padding_lengths(shape[0] - tokens, shape[1] - sequences)
-    padded_lengths = torch.cat([lengths, torch.tensor(extra, dtype=lengths.dtype)])
+    padded_lengths = torch.cat([lengths, torch.tensor(extra, dtype=lengths.dtype, device=lengths.device)])
     return padded_ids, padded_lengths
 
 

@@ -16,7 +16,7 @@ from .backends import backend_info, get_backend
 from .errors import GuardError
 from .fitting import ENV_CACHE, ENV_RECOMPILE, fitting_tag, sm_label
 from .hostinfo import HostFacts, host_facts
-from .params import EngineParams, backend_precisions
+from .params import PRECISION_MIN_SM, EngineParams, backend_precisions
 
 LAST_CHECK_SECONDS: dict[str, float] = {}  # each overlapped part of the last check() (start-up benchmarks read it)
 
@@ -164,6 +164,15 @@ def resolve(out_dir: str | Path, env=None, facts: HostFacts | None = None) -> tu
         return _recompile(Path(out_dir), Path(cache), facts or host_facts(), err)
 
 
+def recompile_precision(backend: str, precision: str, device: str, sm: str | None) -> str:
+    """The engine's precision where its backend takes it on this device and the GPU computes in it (bf16 on
+    a GPU, int8 on a CPU, fp8 from sm_89); a precision the GPU lacks (fp8 before sm_89) becomes bf16, a
+    precision the backend does not take here fp32."""
+    if device == "cuda" and sm and int(sm) < PRECISION_MIN_SM.get(precision, 0):
+        return "bf16" if "bf16" in backend_precisions(backend, device) else "fp32"
+    return precision if precision in backend_precisions(backend, device) else "fp32"
+
+
 def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) -> tuple[Path, dict]:
     from .compiler import DEFAULT_MIN_COSINE, REFERENCE_JSON, compile_engine
 
@@ -177,9 +186,8 @@ def _recompile(out_dir: Path, cache: Path, facts: HostFacts, err: GuardError) ->
                          "the one this engine was built from (an image whose engine holds the weights, label "
                          "io.mopt.model.weights=in-engine, ships the model without them)") from None
     device = "cuda" if facts.sm else "cpu"
-    # The engine's precision where its backend takes it on this device (bf16 on a GPU, int8 on a CPU), else fp32.
-    kept = old.precision in backend_precisions(old.backend, device)
-    params = EngineParams.from_dict({**old.to_dict(), "device": device, "precision": old.precision if kept else "fp32"})
+    params = EngineParams.from_dict({**old.to_dict(), "device": device,
+                                     "precision": recompile_precision(old.backend, old.precision, device, facts.sm)})
     key_src = {"model": data["model_digest"], "params": params.to_dict(), "host": facts.to_dict()}
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
     target = cache / key

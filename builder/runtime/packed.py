@@ -34,9 +34,13 @@ ATTN_IMPLEMENTATION = "mopt_packed"
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
+# Engine precisions whose attention runs in half precision: fp8 engines' bodies are bf16 (quantize.py)
+_FLASH_PRECISIONS = ("fp16", "bf16", "fp8")
+
+
 def gathers_attention(device: str, precision: str) -> bool:
     """Whether an engine of this device and precision gathers attention per sequence (else: flash varlen)."""
-    return device != "cuda" or precision not in ("fp16", "bf16")
+    return device != "cuda" or precision not in _FLASH_PRECISIONS
 
 
 def attention_plan(device: str, precision: str, dense: bool) -> dict[str, str]:

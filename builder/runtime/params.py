@@ -15,6 +15,10 @@ from .errors import UsageError
 
 POOLINGS = ("mean", "last", "cls")
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
+# The oldest GPU arch that computes in a precision (fp8: its tensor cores; _scaled_mm refuses older ones),
+# for the runtime's guard. The sourced fact is the knowledge base's (builder/data/compat.yaml, precisions),
+# which the plan reads and the runtime cannot; tests/unit/test_guard.py holds the two equal.
+PRECISION_MIN_SM = {"fp8": 89}
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 DEVICES = ("cpu", "cuda")
 # Inductor modes for the torch-aot and torch-inductor backends (autotuning happens once, at image build).

@@ -70,6 +70,14 @@ def test_pad_call_appends_zero_tokens_and_the_padding_sequences():
     assert padded_lengths.tolist() == [3, 2, 2, 1] and padded_lengths.dtype == torch.int32
 
 
+def test_pad_call_keeps_the_call_on_its_device():
+    """A call already on the GPU (a benchmark's, or a caller's) is padded there: no CPU tensor is mixed in."""
+    ids, lengths, _ = (t.to("meta") for t in pack([[5, 6, 7], [8, 9]]))
+    padded_ids, padded_lengths = pad_call(ids, lengths, (8, 4))
+    assert padded_ids.device.type == padded_lengths.device.type == "meta"
+    assert padded_ids.shape == (1, 8) and padded_lengths.shape == (4,)
+
+
 @pytest.mark.parametrize("family", ["encoder", "decoder"])
 def test_padding_sequences_change_none_of_the_real_rows(family, tiny_qwen3):  # noqa: F811
     """What a graph replays: the call padded to its shape. The real rows must be those of the call as it

@@ -413,3 +413,27 @@ def test_integrity_ahead_of_an_unreadable_entry_is_none(tmp_path, damage):
     else:
         edit(out, engine_files=["model.pt2"])
     assert guard.integrity_ahead(out) is None
+
+
+def test_a_recompile_keeps_a_precision_only_where_backend_and_gpu_take_it():
+    """The opt-in recompile (resolve): bf16 stays on a GPU, int8 on a CPU, fp8 from sm_89; fp8 on an older GPU
+    becomes bf16 (its _scaled_mm refuses the arch), a precision the backend lacks on the device fp32."""
+    from builder.runtime.guard import recompile_precision
+
+    assert recompile_precision("torch-aot", "fp8", "cuda", "90") == "fp8"
+    assert recompile_precision("torch-aot", "fp8", "cuda", "89") == "fp8"
+    assert recompile_precision("torch-aot", "fp8", "cuda", "86") == "bf16"
+    assert recompile_precision("torch-aot", "fp8", "cpu", None) == "fp32"
+    assert recompile_precision("torch-aot", "bf16", "cuda", "80") == "bf16"
+    assert recompile_precision("torch-aot", "bf16", "cpu", None) == "fp32"
+    assert recompile_precision("torch-aot", "int8", "cpu", None) == "int8"
+    assert recompile_precision("torch-aot", "int8", "cuda", "90") == "fp32"
+
+
+def test_the_runtimes_precision_archs_are_the_knowledge_bases():
+    """params.PRECISION_MIN_SM (what the runtime's guard reads) says what compat.yaml's sourced rows say."""
+    from builder.compat import knowledge_base
+    from builder.runtime.params import PRECISION_MIN_SM
+
+    rows = knowledge_base().data["precisions"]
+    assert {row["precision"]: int(row["min_sm"]) for row in rows} == PRECISION_MIN_SM

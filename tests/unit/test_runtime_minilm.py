@@ -164,8 +164,10 @@ def test_doctor_reports_the_host_and_the_engine_and_exits_3_on_the_guards_proble
 
 def test_doctor_without_an_engine_names_why_a_cuda_torch_has_no_gpu(monkeypatch, capsys):
     from builder.runtime import __main__ as runtime_main
-    from builder.runtime import hostinfo
+    from builder.runtime import guard, hostinfo  # noqa: F401 (guard imported first, see below)
 
+    # guard binds host_facts when first imported: imported here under the stand-in below, it would keep
+    # the stand-in for every later test of the process.
     why = "no NVIDIA driver in this container (libcuda.so.1 not found): start it with --gpus all"
     monkeypatch.setattr(hostinfo, "host_facts", lambda: hostinfo.HostFacts(
         torch="2.11.0+cu130", cuda="13.0", tensorrt=None, sm=None, gpu_name=None, driver=None, gpu_problem=why))
@@ -485,5 +487,5 @@ def test_int8_where_the_backend_does_not_take_it_exits_2(tmp_path):
     params.write_text(json.dumps({"backend": "torch-aot", "device": "cuda", "precision": "int8"}))
     proc = runtime_cli("compile", "--model", str(minilm_dir()), "--out", str(tmp_path / "out"), "--params", str(params))
     assert proc.returncode == 2, proc.stderr
-    assert "--precision int8 is not one torch-aot takes on cuda (fp32, bf16, fp16)" in proc.stderr
+    assert "--precision int8 is not one torch-aot takes on cuda (fp32, bf16, fp16, fp8)" in proc.stderr
     assert not (tmp_path / "out").exists()

@@ -151,7 +151,7 @@ def test_host_facts_on_this_host():
 @pytest.mark.parametrize("kwargs, match", [
     ({"device": "cpu", "precision": "bf16"}, r"--precision bf16 is not one torch-aot takes on cpu \(fp32, int8\)"),
     ({"device": "cuda", "precision": "int8"},
-     r"--precision int8 is not one torch-aot takes on cuda \(fp32, bf16, fp16\)"),
+     r"--precision int8 is not one torch-aot takes on cuda \(fp32, bf16, fp16, fp8\)"),
     ({"backend": "vllm", "device": "cpu", "precision": "int8"}, r"not one vllm takes on cpu \(fp32\)"),
     ({"pooling": "max"}, "--pooling"),
     ({"max_batch": 0}, "--max-batch"),

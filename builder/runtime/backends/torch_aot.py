@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
+from ..fused_qk import fuse_qk_norm_rope
+from ..fused_qk import wanted as fused_wanted
 from ..packed import attention_plan, pack
 from ..params import EngineParams
-from ..quantize import CALIBRATION_TEXTS, SMOOTHING, input_ranges, quantize_linears
+from ..quantize import CALIBRATION_TEXTS, SMOOTHING, input_ranges, kept_linears, quantize_linears
 from ..sdpa import sdpa_kernels, sdpa_summary
 from ..tokenization import TextEncoder
 from . import dense_packing
@@ -49,6 +51,8 @@ UNPACKED = "aoti"  # engine/aoti/: the package's model files (the .so, its metad
 # name>/, the rest archive bookkeeping. The same layout in torch 2.11 (CUDA: .cubin files beside the .so)
 # and 2.13.
 _PACKAGE_MODEL_DIR = "data/aotinductor/model/"
+# The dtype the body is built in per precision: fp8 layers sit in a bf16 body (quantize.py).
+BODY_DTYPES = {**DTYPES, "fp8": torch.bfloat16}
 PROBE_VOCAB = 100  # the CUDA graphs' probe calls take token ids below this: valid in every model's vocabulary
 _PACKAGE_BOOKKEEPING = ("archive_format", "archive_version", "byteorder", ".data/")
 
@@ -59,9 +63,8 @@ def version() -> str:
 
 def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     out_dir = Path(out_dir)
-    # int8 (CPU): an fp32 body whose linear layers compute in int8, smoothed by a calibration pass (quantize.py)
-    module = build_module(model_dir, params, DTYPES.get(params.precision, torch.float32), params.device)
-    quantized = quantize_linears(module.body, calibrate(module, model_dir, params)) if params.precision == "int8" else 0
+    module = build_module(model_dir, params, BODY_DTYPES.get(params.precision, torch.float32), params.device)
+    body_record = prepare_body(module, params, lambda: calibrate(module, model_dir, params))
     example = tuned_example(params, params.device, pad_left=params.pad_left)
     # On CUDA, SDPA's kernel choice is baked in here (no cuDNN by default: see sdpa.py).
     kernels = sdpa_kernels() if params.device == "cuda" else nullcontext()
@@ -80,16 +83,33 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
     check_loads_fresh(out_dir, params)
     tuned = (f"{len(example[1])} sequences, {example[0].numel()} tokens" if params.packed
              else "x".join(map(str, example[0].shape)))
-    recorded = {"tuned_for": tuned, "input_form": params.input_form, "inductor_options": options}
-    if quantized:
-        recorded["int8"] = {"linear_layers": quantized, "smoothing_alpha": SMOOTHING,
-                            "calibration_texts": len(CALIBRATION_TEXTS)}
+    recorded = {"tuned_for": tuned, "input_form": params.input_form, "inductor_options": options, **body_record}
     if params.packed:
         recorded["packed_attention"] = attention_plan(params.device, params.precision, dense_packing(params))
     if params.device == "cuda":
         recorded["sdpa"] = sdpa_summary(exported.graph)
     return {"artifact": so.relative_to(out_dir).as_posix(), "export_dims": dims,
             "embedding_dim": int(module.body.config.hidden_size), "fingerprint": recorded}  # in engine.json
+
+
+def prepare_body(module, params: EngineParams, calibration) -> dict:
+    """Quantize and fuse MODULE's body in place as PARAMS ask; returns what engine.json records of it.
+    int8 (CPU): an fp32 body whose linear layers compute in int8, smoothed by CALIBRATION() (input ranges);
+    fp8 (CUDA): a bf16 body whose linear layers compute in fp8, not smoothed (quantize.py). Packed CUDA
+    engines: Qwen3's q/k norm and rotation as one Triton kernel (fused_qk.py)."""
+    recorded = {}
+    if params.precision == "int8":
+        recorded["int8"] = {"linear_layers": quantize_linears(module.body, calibration()),
+                            "smoothing_alpha": SMOOTHING, "calibration_texts": len(CALIBRATION_TEXTS)}
+    elif params.precision == "fp8":
+        recorded["fp8"] = {"linear_layers": quantize_linears(module.body, kind="fp8"),
+                           "kept_linear": kept_linears(module.body), "format": "e4m3fn",
+                           "scales": "per-channel weights, per-token activations"}
+    if params.packed and params.device == "cuda" and fused_wanted():
+        fused = fuse_qk_norm_rope(module.body)
+        if fused:
+            recorded["fused"] = {"qk_norm_rope": fused}
+    return recorded
 
 
 def calibrate(module, model_dir: str, params: EngineParams) -> dict:
