@@ -51,18 +51,25 @@ def op():
                      cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, heads, dim], k [tokens, kv_heads, dim] (each token's heads contiguous), cos/sin
         [tokens, dim] -> (q, k) normalised per head and rotated, new tensors of the same shapes."""
-        # The kernel's addressing: each token's heads back to back, each table row's values adjacent, and
-        # cos and sin alike (no copies for what transformers hands over)
-        q, k, cos, sin = q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous()
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        # The kernel's addressing: each token's heads back to back (any stride between tokens: q and k may
+        # be column slices of a merged projection's output, merged.py), each table row's values adjacent,
+        # and cos and sin alike (no copies for what transformers hands over)
+        q, k = _heads_adjacent(q), _heads_adjacent(k)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
         dim = q.shape[2]
         wrap_triton(kernel)[(q.shape[0],)](
             q, k, q_weight, k_weight, cos, sin, q_out, k_out, q.shape[1], k.shape[1],
-            q.stride(0), k.stride(0), cos.stride(0), eps,
+            q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos.stride(0), eps,
             HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])))
         return q_out, k_out
 
     return torch.ops.mopt.qk_norm_rope.default
+
+
+def _heads_adjacent(x: torch.Tensor) -> torch.Tensor:
+    """X [tokens, heads, dim] itself where each token's heads lie back to back, else a contiguous copy."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -98,9 +105,12 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings, atten
     kwargs.pop("past_key_values", None)
     kwargs.pop("cache", None)
     tokens = hidden_states.shape[1]
-    q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
-    k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
-    v = self.v_proj(hidden_states).view(1, tokens, -1, self.head_dim).transpose(1, 2)
+    if hasattr(self, "qkv_proj"):  # merged.py: one GEMM, its output split by columns (views, no copies)
+        q, k, v = self.qkv_proj(hidden_states[0]).split(self.qkv_split, dim=-1)
+    else:
+        q, k, v = self.q_proj(hidden_states[0]), self.k_proj(hidden_states[0]), self.v_proj(hidden_states[0])
+    q, k = q.view(tokens, -1, self.head_dim), k.view(tokens, -1, self.head_dim)
+    v = v.view(1, tokens, -1, self.head_dim).transpose(1, 2)
     cos, sin = position_embeddings
     q, k = op()(q, k, self.q_norm.weight, self.k_norm.weight, cos.reshape(tokens, -1), sin.reshape(tokens, -1),
                 float(self.q_norm.variance_epsilon))
@@ -108,6 +118,11 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings, atten
                                    scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None),
                                    **kwargs)
     return self.o_proj(out.reshape(1, tokens, -1).contiguous()), weights
+
+
+def is_fused(module: nn.Module) -> bool:
+    """Whether MODULE's forward is the fused one (fuse_qk_norm_rope gave it)."""
+    return getattr(module.forward, "__func__", None) is _fused_forward
 
 
 def fuse_qk_norm_rope(body: nn.Module) -> int:

@@ -6,15 +6,17 @@ import triton.language as tl
 
 
 @triton.jit
-def norm_rope_heads(src, dst, w_ptr, n_heads, stride, token, c, s, c2, s2, eps,
+def norm_rope_heads(src, dst, w_ptr, n_heads, stride_src, stride_dst, token, c, s, c2, s2, eps,
                     HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     """One token's heads of q or k: RMSNorm over head_dim, then the rotation."""
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF)
     mask = heads[:, None] < n_heads
-    offs = token * stride + heads[:, None] * (2 * HALF) + cols[None, :]
-    x1 = tl.load(src + offs, mask=mask, other=0.0)  # the two halves that rotate_half pairs
-    x2 = tl.load(src + offs + HALF, mask=mask, other=0.0)
+    within = heads[:, None] * (2 * HALF) + cols[None, :]  # a token's heads lie back to back
+    src_offs = token * stride_src + within
+    offs = token * stride_dst + within
+    x1 = tl.load(src + src_offs, mask=mask, other=0.0)  # the two halves that rotate_half pairs
+    x2 = tl.load(src + src_offs + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF)
@@ -30,7 +32,7 @@ def norm_rope_heads(src, dst, w_ptr, n_heads, stride, token, c, s, c2, s2, eps,
 
 @triton.jit
 def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-                        q_heads, k_heads, stride_qt, stride_kt, stride_ct, eps,
+                        q_heads, k_heads, stride_qt, stride_kt, stride_qo, stride_ko, stride_ct, eps,
                         HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     # One program per token: its q heads and its k heads. int64: token * stride passes 2^31 in a long call
     # (a Qwen3-8B engine's 32 heads x 128 from 524,288 tokens), where int32 offsets would wrap.
@@ -42,5 +44,5 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_pt
     row = sin_ptr + token * stride_ct
     s = tl.load(row + cols).to(tl.float32)
     s2 = tl.load(row + HALF + cols).to(tl.float32)
-    norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, q_heads, stride_qt, token, c, s, c2, s2, eps, HALF, BLOCK_H)
-    norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, k_heads, stride_kt, token, c, s, c2, s2, eps, HALF, BLOCK_H)
+    norm_rope_heads(q_ptr, q_out_ptr, qw_ptr, q_heads, stride_qt, stride_qo, token, c, s, c2, s2, eps, HALF, BLOCK_H)
+    norm_rope_heads(k_ptr, k_out_ptr, kw_ptr, k_heads, stride_kt, stride_ko, token, c, s, c2, s2, eps, HALF, BLOCK_H)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from builder.runtime import fused_qk
+from builder.runtime import fused_qk, merged
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = r"""
 import json, sys, torch
 from builder.runtime import fused_qk
+from builder.runtime.merged import merge_projections
 from builder.runtime.backends.torch_common import build_module
 from builder.runtime.packed import pack
 from builder.runtime.params import EngineParams
@@ -46,6 +47,12 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         if tables == "strided":
             sin = torch.cat([sin, torch.zeros_like(sin)], -1)[:, :dim]  # rows 2 * dim apart
         fused = fused_qk.op()(q, k, qw, kw, cos, sin, 1e-6)
+        # q and k as column slices of one wider output (merged.py's qkv_proj): read in place, not copied
+        wide = torch.cat([q.flatten(1), k.flatten(1), torch.full((tokens, dim), float("nan"), dtype=dtype)], 1)
+        q_view, k_view, _ = wide.split([heads * dim, kv_heads * dim, dim], 1)
+        sliced = fused_qk.op()(q_view.view(tokens, heads, dim), k_view.view(tokens, kv_heads, dim), qw, kw,
+                               cos, sin, 1e-6)
+        out["sliced_equal"] = out.get("sliced_equal", True) and all(torch.equal(a, b) for a, b in zip(fused, sliced))
         eager = fused_qk.reference(q, k, qw, kw, cos, sin, 1e-6)
         once = fused_qk.reference(q.float(), k.float(), qw.float(), kw.float(), cos.float(), sin.float(), 1e-6,
                                   norm_dtype=dtype)
@@ -61,11 +68,15 @@ params = EngineParams(backend="torch-aot", device="cpu", precision="fp32", pooli
 plain = build_module(str(model), params, torch.float32, "cpu")
 fused = build_module(str(model), params, torch.float32, "cpu")
 out["layers"] = fused_qk.fuse_qk_norm_rope(fused.body)
+merged = build_module(str(model), params, torch.float32, "cpu")
+fused_qk.fuse_qk_norm_rope(merged.body)
+out["merged"] = merge_projections(merged.body)
 inputs = pack([[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]])
 with torch.no_grad():
-    a, b = plain(*inputs), fused(*inputs)
+    a, b, c = plain(*inputs), fused(*inputs), merged(*inputs)
 out["module_max_diff"] = (a - b).abs().max().item()
 out["module_cosine_min"] = torch.nn.functional.cosine_similarity(a, b).min().item()
+out["merged_max_diff"] = (a - c).abs().max().item()
 out["shape"] = list(b.shape)
 print(json.dumps(out))
 """
@@ -105,6 +116,17 @@ def test_a_fused_packed_qwen3_module_computes_what_the_unfused_one_does(probe):
     assert probe["layers"] == 2  # every attention layer of the tiny Qwen3 took the fused forward
     assert probe["shape"] == [3, 64]
     assert probe["module_max_diff"] < 1e-5 and probe["module_cosine_min"] > 0.999999
+
+
+@pytest.mark.timeout(300)
+def test_q_and_k_sliced_from_a_merged_projection_give_what_contiguous_ones_do(probe):
+    assert probe["sliced_equal"] is True  # bit for bit: the kernel reads the slices in place
+
+
+@pytest.mark.timeout(300)
+def test_a_fused_and_merged_packed_qwen3_module_computes_what_the_plain_one_does(probe):
+    assert probe["merged"] == {"qkv": 2, "gate_up": 2}
+    assert probe["merged_max_diff"] < 1e-5
 
 
 @pytest.mark.timeout(60)
@@ -199,6 +221,7 @@ def test_the_compile_step_fuses_and_quantizes_what_its_params_ask_and_records_it
     from builder.runtime.tiny_qwen3 import make_tiny_qwen3
 
     monkeypatch.delenv(fused_qk.ENV, raising=False)
+    monkeypatch.delenv(merged.ENV, raising=False)
     params = EngineParams(backend="torch-aot", device=device, precision=precision, pooling="last", max_batch=8,
                           max_seq_len=64, input_form=form, **({"attention": "causal"} if form == "padded" else {}))
     module = build_module(str(make_tiny_qwen3(tmp_path / "tiny")), params,
@@ -208,14 +231,27 @@ def test_the_compile_step_fuses_and_quantizes_what_its_params_ask_and_records_it
     assert sum(a.forward.__func__ is fused_qk._fused_forward for a in attention if hasattr(a.forward, "__func__")) \
         == fused
     assert record.get("fused") == ({"qk_norm_rope": fused} if fused else None)
-    linears = {type(m) for a in attention for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)}
+    packed_cuda = device == "cuda" and form == "packed"
+    assert record.get("merged") == ({"qkv": 2, "gate_up": 2} if packed_cuda else None)
+    # merged.py: q/k/v as one layer where the fused forward splits it, gate/up as one in every MLP
+    projections = ("qkv_proj", "o_proj") if packed_cuda else ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert all(hasattr(a, "q_proj") != packed_cuda for a in attention)
+    mlp = ("gate_up_proj", "down_proj") if packed_cuda else ("gate_proj", "up_proj", "down_proj")
+    linears = {type(getattr(layer, name)) for layer in attention for name in projections} | \
+        {type(getattr(layer.mlp, name)) for layer in module.body.layers for name in mlp}
     if precision == "fp8":
         assert linears == {Fp8Linear} and module.body.dtype == torch.bfloat16
-        assert record["fp8"]["linear_layers"] == 2 * 7 and record["fp8"]["kept_linear"] == []
+        # per layer: qkv, o, gate_up, down (merged before quantizing: each input quantized once)
+        assert record["fp8"]["linear_layers"] == 2 * 4 and record["fp8"]["kept_linear"] == []
     elif precision == "int8":
         assert linears == {Int8Linear} and record["int8"]["linear_layers"] == 2 * 7
     else:
         assert linears == {torch.nn.Linear} and "fp8" not in record and "int8" not in record
-    monkeypatch.setenv(fused_qk.ENV, "0")  # the switch for side-by-side measurement
+    monkeypatch.setenv(fused_qk.ENV, "0")  # the switches for side-by-side measurement
     again = build_module(str(tmp_path / "tiny"), params, torch_aot.BODY_DTYPES.get(precision, torch.float32), "cpu")
-    assert "fused" not in torch_aot.prepare_body(again, params, lambda: {})
+    record = torch_aot.prepare_body(again, params, lambda: {})
+    assert "fused" not in record  # and without the fused forward, attention stays unmerged
+    assert record.get("merged") == ({"qkv": 0, "gate_up": 2} if packed_cuda else None)
+    monkeypatch.setenv(merged.ENV, "0")
+    again = build_module(str(tmp_path / "tiny"), params, torch_aot.BODY_DTYPES.get(precision, torch.float32), "cpu")
+    assert "merged" not in torch_aot.prepare_body(again, params, lambda: {})

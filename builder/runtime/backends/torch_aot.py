@@ -29,6 +29,8 @@ import torch
 from ..errors import UsageError
 from ..fused_qk import fuse_qk_norm_rope
 from ..fused_qk import wanted as fused_wanted
+from ..merged import merge_projections
+from ..merged import wanted as merged_wanted
 from ..packed import attention_plan, pack
 from ..params import EngineParams
 from ..quantize import CALIBRATION_TEXTS, SMOOTHING, input_ranges, kept_linears, quantize_linears
@@ -93,11 +95,19 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
 
 
 def prepare_body(module, params: EngineParams, calibration) -> dict:
-    """Quantize and fuse MODULE's body in place as PARAMS ask; returns what engine.json records of it.
+    """Fuse, merge and quantize MODULE's body in place as PARAMS ask; returns what engine.json records of it.
+    Packed CUDA engines: Qwen3's q/k norm and rotation as one Triton kernel (fused_qk.py), then its parallel
+    projections merged (merged.py), before quantizing, so each merged layer quantizes its input once.
     int8 (CPU): an fp32 body whose linear layers compute in int8, smoothed by CALIBRATION() (input ranges);
-    fp8 (CUDA): a bf16 body whose linear layers compute in fp8, not smoothed (quantize.py). Packed CUDA
-    engines: Qwen3's q/k norm and rotation as one Triton kernel (fused_qk.py)."""
+    fp8 (CUDA): a bf16 body whose linear layers compute in fp8, not smoothed (quantize.py)."""
     recorded = {}
+    if params.packed and params.device == "cuda":
+        fused = fuse_qk_norm_rope(module.body) if fused_wanted() else 0
+        if fused:
+            recorded["fused"] = {"qk_norm_rope": fused}
+        merged = merge_projections(module.body) if merged_wanted() else {}
+        if any(merged.values()):
+            recorded["merged"] = merged
     if params.precision == "int8":
         recorded["int8"] = {"linear_layers": quantize_linears(module.body, calibration()),
                             "smoothing_alpha": SMOOTHING, "calibration_texts": len(CALIBRATION_TEXTS)}
@@ -105,10 +115,6 @@ def prepare_body(module, params: EngineParams, calibration) -> dict:
         recorded["fp8"] = {"linear_layers": quantize_linears(module.body, kind="fp8"),
                            "kept_linear": kept_linears(module.body), "format": "e4m3fn",
                            "scales": "per-channel weights, per-token activations"}
-    if params.packed and params.device == "cuda" and fused_wanted():
-        fused = fuse_qk_norm_rope(module.body)
-        if fused:
-            recorded["fused"] = {"qk_norm_rope": fused}
     return recorded
 
 

@@ -1,0 +1,93 @@
+"""Merged projections (builder/runtime/merged.py): one linear layer doing the work of Qwen3's q/k/v or
+gate/up layers computes what they did, in full precision and in fp8 (the fp8 layers run on the CPU here,
+as in test_quantize.py). The merged attention forward, which needs the fused kernel, is checked in
+test_fused_qk.py (Triton's interpreter)."""
+import pytest
+import torch
+
+from builder.runtime import merged
+from builder.runtime.quantize import Fp8Linear
+
+
+def _linear(in_features: int, out_features: int, seed: int, bias: bool = True, dtype=torch.float64):
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        layer.bias.normal_() if bias else None
+    return layer
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_merged_layer_gives_its_parts_outputs_side_by_side(bias):
+    parts = [_linear(32, width, seed, bias) for seed, width in enumerate((48, 16, 24))]
+    layer = merged.merge_linears(parts)
+    assert (layer.in_features, layer.out_features) == (32, 88) and (layer.bias is None) == (not bias)
+    x = torch.randn(5, 7, 32, dtype=torch.float64)
+    want = torch.cat([part(x) for part in parts], dim=-1)
+    assert torch.allclose(layer(x), want, rtol=1e-12, atol=1e-12)
+    for got, part in zip(layer(x).split([48, 16, 24], dim=-1), parts, strict=True):  # and in the order given
+        assert torch.allclose(got, part(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
+def test_layers_that_do_not_share_an_input_or_form_are_not_merged():
+    base = _linear(32, 16, 0)
+    for other in (_linear(24, 16, 1), _linear(32, 16, 1, bias=False), _linear(32, 16, 1, dtype=torch.float32)):
+        with pytest.raises(ValueError, match="share their input width, bias, dtype and device"):
+            merged.merge_linears([base, other])
+    bf16 = _linear(32, 16, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="merge before quantizing"):
+        merged.merge_linears([bf16, Fp8Linear(_linear(32, 16, 3, dtype=torch.bfloat16))])
+
+
+@pytest.mark.timeout(60)
+def test_merged_then_fp8_computes_exactly_what_the_separate_fp8_layers_do():
+    """Per-channel weight scales and one per-token scale of the shared input: the merged fp8 layer's columns
+    are the separate fp8 layers' outputs, bit for bit."""
+    parts = [_linear(64, width, seed, dtype=torch.bfloat16) for seed, width in enumerate((32, 16, 16))]
+    layer = Fp8Linear(merged.merge_linears(parts))
+    x = (torch.randn(9, 64) * 4).to(torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (9, 64)
+    assert torch.equal(got, torch.cat([Fp8Linear(part)(x) for part in parts], dim=-1))
+
+
+class _Mlp(torch.nn.Module):
+    """Qwen3MLP's form (transformers names the class; merged.py goes by that name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = _linear(16, 40, 0, bias=False), _linear(16, 40, 1, bias=False)
+        self.down_proj = _linear(40, 16, 2, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+_Mlp.__name__ = "Qwen3MLP"
+
+
+@pytest.mark.timeout(60)
+def test_every_qwen3_mlp_gets_one_gate_up_layer_and_computes_as_before():
+    body = torch.nn.ModuleList([_Mlp(), _Mlp(), torch.nn.Linear(16, 16, dtype=torch.float64)])
+    x = torch.randn(3, 16, dtype=torch.float64)
+    want = [body[0](x), body[1](x)]
+    # no attention layer has fused_qk's forward here, so none is merged
+    assert merged.merge_projections(body) == {"qkv": 0, "gate_up": 2}
+    for mlp, before in zip(body[:2], want, strict=True):
+        assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
+        assert mlp.gate_up_proj.out_features == 80 and mlp.gate_up_split == (40, 40)
+        assert torch.allclose(mlp(x), before, rtol=1e-12, atol=1e-12)
+    assert merged.merge_projections(body) == {"qkv": 0, "gate_up": 0}  # a second call finds nothing left
+
+
+@pytest.mark.timeout(60)
+def test_merging_can_be_turned_off_for_measurement(monkeypatch):
+    monkeypatch.delenv(merged.ENV, raising=False)
+    assert merged.wanted()
+    monkeypatch.setenv(merged.ENV, "0")
+    assert not merged.wanted()
+    monkeypatch.setenv(merged.ENV, "1")
+    assert merged.wanted()
