@@ -5,7 +5,7 @@
 
 A form is an input form (padded, packed) with options after colons: `packed:unfused` compiles with
 MOPT_FUSED_QK=0 (transformers' q/k norm and rotation instead of the fused kernel, fused_qk.py),
-`packed:unmerged` with MOPT_MERGED_PROJ=0 (q/k/v and gate/up as separate layers, merged.py), and a
+`packed:merged` with MOPT_MERGED_PROJ=1 (q/k/v and gate/up each as one layer, merged.py), and a
 precision (`packed:fp8`) overrides --precision for that engine. The engines compile in parallel, one
 process each (the compile is mostly CPU work; the machine's cores are many).
 
@@ -100,7 +100,7 @@ def make_model(dest: Path, family: str, layers: int) -> Path:
 
 
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "int8")
-SWITCHES = {"unfused": "MOPT_FUSED_QK", "unmerged": "MOPT_MERGED_PROJ"}  # form option -> the variable set to 0
+SWITCHES = {"unfused": ("MOPT_FUSED_QK", "0"), "merged": ("MOPT_MERGED_PROJ", "1")}  # form option -> variable
 
 
 def form_options(form: str, a) -> tuple[str, str, dict]:
@@ -110,7 +110,7 @@ def form_options(form: str, a) -> tuple[str, str, dict]:
     if base not in ("padded", "packed") or unknown:
         raise SystemExit(f"packed_bench: unknown form {form!r}")
     precision = next((o for o in options if o in PRECISIONS), a.precision)
-    return base, precision, {SWITCHES[o]: "0" for o in options if o in SWITCHES}
+    return base, precision, dict(SWITCHES[o] for o in options if o in SWITCHES)
 
 
 def start_compile(model: Path, out: Path, a, form: str):
