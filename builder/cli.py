@@ -787,8 +787,11 @@ def install_cmd(bundle: Path, no_smoke: bool, state_dir: Path) -> None:
 @state_option
 @hermetic_options
 @click.option("--locked", is_flag=True, help="Build from mopt.lock.json (the reproducible way).")
+@click.option("--against-built", is_flag=True,
+              help="Compare the variant as built (built first where missing or out of date) with one build from "
+                   "scratch, as a rebuilder checks what was shipped: half the work of two builds from scratch.")
 def verify_repro_cmd(matrix_path: str, select: str, state_dir: Path, ca_bundle, find_links, index_url,
-                     extra_index_url, models, locked: bool) -> None:
+                     extra_index_url, models, locked: bool, against_built: bool) -> None:
     """Build a variant twice from scratch and compare normalised file manifests (path, mode, size, sha256)."""
     from .errors import BuildError
     from .plan import make_plan
@@ -799,7 +802,8 @@ def verify_repro_cmd(matrix_path: str, select: str, state_dir: Path, ca_bundle, 
         raise ConfigError(f"--select {select!r} must name exactly one variant, it matches {len(result.variants)}")
     options = _build_options(state_dir, matrix_path, ca_bundle, find_links, index_url, extra_index_url, models,
                              locked)
-    report = verify_repro(matrix, make_plan(matrix).variants, result.variants[0], options, log=click.echo)
+    report = verify_repro(matrix, make_plan(matrix).variants, result.variants[0], options, log=click.echo,
+                          against_built=against_built)
     click.echo(summary(report))
     if not report["reproducible"]:
         raise BuildError(f"{result.variants[0].id} is not reproducible: {len(report['differences'])} files differ "

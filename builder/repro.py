@@ -1,5 +1,6 @@
 """mopt verify-repro: build a variant twice from scratch (no cache, engine recompiled) and compare
-normalised file manifests of the two final images: path, type, mode, size, sha256 (link target).
+normalised file manifests of the two final images: path, type, mode, size, sha256 (link target). With
+--against-built the first image is the variant as already built and only the second is built from scratch.
 
 Paths that legitimately differ between two builds are listed in VOLATILE with the reason; they are
 reported as ignored, never silently dropped.
@@ -69,13 +70,19 @@ def compare(a: dict[str, dict], b: dict[str, dict]) -> tuple[list[dict], list[di
 
 
 def verify_repro(matrix: Matrix, all_variants: tuple[Variant, ...], variant: Variant, options: BuildOptions,
-                 log: Log = print) -> dict:
+                 log: Log = print, against_built: bool = False) -> dict:
+    """Build VARIANT twice from scratch and compare the two images' files; AGAINST_BUILT: the first image is
+    the variant as built (built now where it is missing or out of date, its cached stages and engine reused
+    where their inputs match), the second one from scratch, the way a rebuilder checks what was shipped:
+    half the work of two builds from scratch."""
     docker = find_docker()
     forced = replace(options, force=True)
+    firsts = (options, forced) if against_built else (forced, forced)
     images = []
-    for attempt in ("a", "b"):
-        log(f"{variant.id}: build {attempt} of 2, from scratch (no cache, engine recompiled)")
-        result = Builder(matrix, all_variants, forced, log=log, docker=docker).build(variant)
+    for attempt, how in zip(("a", "b"), firsts, strict=True):
+        said = "from scratch (no cache, engine recompiled)" if how.force else "as built (cache and engine reused)"
+        log(f"{variant.id}: build {attempt} of 2, {said}")
+        result = Builder(matrix, all_variants, how, log=log, docker=docker).build(variant)
         ref = f"mopt-repro/{variant.image}:{variant.tag}-{attempt}"
         run_docker(["tag", result.image_id, ref], docker=docker)  # keep build a while b replaces the tags
         images.append((ref, result.image_id))
@@ -88,6 +95,7 @@ def verify_repro(matrix: Matrix, all_variants: tuple[Variant, ...], variant: Var
     differences, ignored = compare(*manifests)
     report = {"variant": variant.id, "images": [image_id for _, image_id in images],
               "identical_image_ids": images[0][1] == images[1][1], "files": len(manifests[0]),
+              "first_build": "as built" if against_built else "from scratch",
               "differences": differences, "ignored": ignored, "reproducible": not differences,
               "volatile_rules": VOLATILE}
     path = options.state.repro_report(variant.image, variant.tag)
