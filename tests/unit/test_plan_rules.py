@@ -3,6 +3,7 @@ long), rejections and their ids and reasons, collisions, --select, and the JSON 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -312,6 +313,10 @@ def test_a_gpu_flavour_whose_backend_takes_fp8_is_rejected_below_sm_89(workdir):
 
 
 def test_newest_cannot_pick_a_precision(workdir):
-    with pytest.raises(ConfigError, match="newest: precision has no newest value; cross it"):
-        load_matrix(write(workdir, edited(PLAN_MINI, PRECISION_AXIS, ("        newest: [torch]\n",
-                                                                         "        newest: [torch, precision]\n"))))
+    text = edited(PLAN_MINI, PRECISION_AXIS, ("        newest: [torch]\n", "        newest: [torch, precision]\n"))
+    with pytest.raises(ConfigError, match="newest: precision has no newest value; cross it") as err:
+        load_matrix(write(workdir, text))
+    # the error points at the list item that names precision: its line and its key path
+    line = text.splitlines().index("        newest: [torch, precision]") + 1
+    assert re.search(rf"matrix\.yaml:{line}: images\.[\w-]+\.flavours\.[\w-]+\.newest\[1\]: newest: precision",
+                     err.value.message), err.value.message
