@@ -90,3 +90,51 @@ def test_merging_is_opt_in_until_measured_on_a_gpu(monkeypatch):
     for value, want in (("1", True), ("0", False), ("yes", False)):
         monkeypatch.setenv(merged.ENV, value)
         assert merged.wanted() is want
+
+
+class _Attention(torch.nn.Module):
+    """Qwen3Attention's projections (merged.py goes by the class name and by the fused forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj = _linear(16, 32, 3, bias=False), _linear(16, 8, 4, bias=False)
+        self.v_proj, self.o_proj = _linear(16, 8, 5, bias=False), _linear(32, 16, 6, bias=False)
+
+
+_Attention.__name__ = "Qwen3Attention"
+
+
+@pytest.mark.timeout(60)
+def test_only_attention_layers_with_the_fused_forward_get_one_qkv_layer():
+    """The fused forward (fused_qk.py) is what splits qkv_proj's output, so a layer without it keeps q/k/v."""
+    import types
+
+    from builder.runtime import fused_qk
+
+    fused, other, plain = _Attention(), _Attention(), _Attention()
+    for layer in (fused, other):
+        layer.forward = types.MethodType(fused_qk._fused_forward, layer)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    want = torch.cat([fused.q_proj(x), fused.k_proj(x), fused.v_proj(x)], dim=-1)
+    assert merged.merge_projections(torch.nn.ModuleList([fused, plain, other])) == {"qkv": 2, "gate_up": 0}
+    assert fused.qkv_split == (32, 8, 8) and not any(hasattr(fused, n) for n in ("q_proj", "k_proj", "v_proj"))
+    assert torch.allclose(fused.qkv_proj(x), want, rtol=1e-12, atol=1e-12)
+    assert type(fused.o_proj) is torch.nn.Linear and fused.o_proj.out_features == 16  # o_proj is not merged
+    assert all(hasattr(plain, n) for n in ("q_proj", "k_proj", "v_proj")) and not hasattr(plain, "qkv_proj")
+
+
+@pytest.mark.timeout(60)
+def test_the_merged_layer_lives_where_its_parts_did():
+    parts = [torch.nn.Linear(8, 4, device="meta", dtype=torch.float16) for _ in range(2)]
+    layer = merged.merge_linears(parts)
+    assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.float16
+    assert layer.bias.device.type == "meta"
+
+
+@pytest.mark.timeout(60)
+def test_the_switch_is_the_documented_variable():
+    from pathlib import Path
+
+    assert merged.ENV == "MOPT_MERGED_PROJ"
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "environment.yaml").read_text()
+    assert "\nMOPT_MERGED_PROJ:\n" in docs
