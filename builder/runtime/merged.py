@@ -44,12 +44,14 @@ def merge_linears(layers: list[nn.Linear]) -> nn.Linear:
            or layer.weight.dtype != first.weight.dtype or layer.weight.device != first.weight.device
            for layer in layers):
         raise ValueError("merged layers must share their input width, bias, dtype and device")
+    # Made on the meta device, then given the stacked weights: no throwaway initialisation of a layer as
+    # large as its parts (the stack fixes the device and dtype)
     merged = nn.Linear(first.in_features, sum(layer.out_features for layer in layers), bias=first.bias is not None,
-                       device=first.weight.device, dtype=first.weight.dtype)
+                       device="meta")
     with torch.no_grad():
-        merged.weight.copy_(torch.cat([layer.weight for layer in layers]))
+        merged.weight = nn.Parameter(torch.cat([layer.weight for layer in layers]))
         if first.bias is not None:
-            merged.bias.copy_(torch.cat([layer.bias for layer in layers]))
+            merged.bias = nn.Parameter(torch.cat([layer.bias for layer in layers]))
     return merged
 
 
