@@ -15,6 +15,42 @@ if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 CACHE_GIB="${MOPT_TEST_BUILD_CACHE_GIB:-20}"
 .venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib "$CACHE_GIB" | tail -n 3 \
     || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
+# The integration tier, one module at a time in name order, but for a second lane: modules whose images
+# no other module builds (CUDA from PyPI, torch-inductor: their builds mostly wait on PyPI, unpacking and
+# one-threaded compiles while a core idles) run one after the other in a state dir of their own, beside
+# the modules of BESIDE. The modules before BESIDE run alone (test_faults restarts dockerd), and so do
+# those after it (server timings, prune): the lane is awaited before they start.
+LANE=(tests/integration/test_cuda_from_pypi.py tests/integration/test_inductor_cpu.py)
+BESIDE=(test_hardened_image test_hub_model test_infra test_lock_repro)
+run_integration_tier() {
+    local before=() beside=() after=() module name rc=0 lane_rc=0 lane_pid lane_dir
+    for module in tests/integration/test_*.py; do
+        name="$(basename "$module" .py)"
+        if [[ " ${LANE[*]} " == *" $module "* ]]; then continue
+        elif [[ " ${BESIDE[*]} " == *" $name "* ]]; then beside+=("$module")
+        elif [[ "$name" < "${BESIDE[0]}" ]]; then before+=("$module")
+        else after+=("$module"); fi
+    done
+    local pytest=(.venv/bin/python -m pytest -p no:cacheprovider --durations=10)
+    "${pytest[@]}" "${before[@]}" || rc=$?
+    lane_dir="$(mktemp -d)"
+    (
+        lane_started=$SECONDS lane_status=0
+        MOPT_TEST_STATE_DIR="$REPO/.mopt/test-state-lane" "${pytest[@]}" --basetemp "$lane_dir/tmp" "${LANE[@]}" \
+            || lane_status=$?
+        echo "test.sh: the lane took $(( SECONDS - lane_started )) s"
+        exit "$lane_status"
+    ) > "$lane_dir/log" 2>&1 &
+    lane_pid=$!
+    "${pytest[@]}" "${beside[@]}" || rc=$((rc ? rc : $?))
+    wait "$lane_pid" || lane_rc=$?
+    echo "test.sh: beside ${BESIDE[*]}, the lane ran ${LANE[*]}:"
+    cat "$lane_dir/log"
+    rm -rf "$lane_dir"
+    rc=$((rc ? rc : lane_rc))
+    "${pytest[@]}" "${after[@]}" || rc=$((rc ? rc : $?))
+    return "$rc"
+}
 rc=0
 # The mutation check on a sample of the core's mutants, drawn anew for each commit (the full run and its
 # score: docs/testing.md). Only on the plain test command: extra pytest arguments mean a partial run. It
@@ -37,7 +73,7 @@ if [ "$#" -eq 0 ]; then
     workers=$(nproc 2>/dev/null || echo 2)
     workers=$(( workers > 4 ? 4 : workers < 1 ? 1 : workers ))
     started=$SECONDS
-    .venv/bin/python -m pytest -p no:cacheprovider --durations=25 tests/integration || rc=$?
+    run_integration_tier || rc=$?
     echo "test.sh: the integration tier took $(( SECONDS - started )) s"
     started=$SECONDS
     .venv/bin/python -m pytest -p no:cacheprovider --durations=25 -n "$workers" --dist loadfile tests/unit \

@@ -17,7 +17,8 @@ from builder.localregistry import find_registry_binary
 
 REPO = Path(__file__).resolve().parents[2]
 # Builds share one state directory, so a re-run on a machine that already built reuses the engines.
-STATE = REPO / ".mopt" / "test-state"
+# scripts/test.sh gives the module it runs beside the others a state dir of its own (one mopt per dir).
+STATE = Path(os.environ.get("MOPT_TEST_STATE_DIR") or REPO / ".mopt" / "test-state")
 
 
 @pytest.fixture(scope="session")
