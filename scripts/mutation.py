@@ -39,7 +39,8 @@ ACCEPTED = CONFIG_DIR / "accepted"  # one YAML list per target: <target>.yaml
 WORK = REPO / ".mopt" / "mutation"
 MUTMUT = Path(sys.executable).with_name("mutmut")
 # Data the tests read beside the code (mutmut copies the source tree itself).
-ALSO_COPY = ["matrix.yaml", "images", "templates", "tests", "docs", "mopt.lock.json", ".github", "benchmarks", "scripts"]
+ALSO_COPY = ["matrix.yaml", "images", "templates", "tests", "docs", "mopt.lock.json", ".github", "benchmarks",
+             "scripts"]
 # mutmut's exit codes per mutant (mutmut/stats.py).
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "killed",

@@ -15,41 +15,41 @@ if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 CACHE_GIB="${MOPT_TEST_BUILD_CACHE_GIB:-20}"
 .venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib "$CACHE_GIB" | tail -n 3 \
     || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
-# The integration tier, one module at a time in name order, but for a second lane: modules whose images
-# no other module builds (CUDA from PyPI, torch-inductor: their builds mostly wait on PyPI, unpacking and
-# one-threaded compiles while a core idles) run one after the other in a state dir of their own, beside
-# the modules of BESIDE. The modules before BESIDE run alone (test_faults restarts dockerd), and so do
-# those after it (server timings, prune): the lane is awaited before they start.
+PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
+# The integration tier runs one module at a time in name order, in three phases, with a second lane beside
+# the second and the third (the CPU idles half the time there: one pip, one compile, one server at a time):
+# - BEFORE (the modules named before BESIDE's first) alone: test_faults restarts dockerd;
+# - BESIDE, while the modules of LANE (images no other module builds: CUDA from PyPI, torch-inductor) run
+#   in a state dir of their own (one mopt per state dir);
+# - AFTER (the rest: server timings, prune) alone, with the lane's end awaited; beside them, niced, the unit
+#   files of UNIT_BESIDE (fuzzers, rule checks, CPU compiles: no bound on the clock but subprocess hang
+#   guards of 120 s and more around runs of 10-70 s).
+# Then the rest of the unit tier over the cores. Put a new module or unit file in a lane only if nothing
+# in it waits on the clock.
 LANE=(tests/integration/test_cuda_from_pypi.py tests/integration/test_inductor_cpu.py)
 BESIDE=(test_hardened_image test_hub_model test_infra test_lock_repro)
-run_integration_tier() {
-    local before=() beside=() after=() module name rc=0 lane_rc=0 lane_pid lane_dir
-    for module in tests/integration/test_*.py; do
-        name="$(basename "$module" .py)"
-        if [[ " ${LANE[*]} " == *" $module "* ]]; then continue
-        elif [[ " ${BESIDE[*]} " == *" $name "* ]]; then beside+=("$module")
-        elif [[ "$name" < "${BESIDE[0]}" ]]; then before+=("$module")
-        else after+=("$module"); fi
-    done
-    local pytest=(.venv/bin/python -m pytest -p no:cacheprovider --durations=10)
-    "${pytest[@]}" "${before[@]}" || rc=$?
-    lane_dir="$(mktemp -d)"
+UNIT_BESIDE=(tests/unit/test_runtime_gpu_paths.py tests/unit/test_config_fuzz.py tests/unit/test_runtime_qwen3.py
+             tests/unit/test_forward_compat.py tests/unit/test_bad_config_fuzz.py tests/unit/test_families.py
+             tests/unit/test_conventions.py tests/unit/test_cli.py tests/unit/test_substitutes.py
+             tests/unit/test_render.py tests/unit/test_doctor.py)
+background() {  # DIR NICENESS PYTEST-ARGS...: pytest in the background, its output in DIR/log; sets BG_PID
+    local dir="$1" niceness="$2"
+    shift 2
     (
-        lane_started=$SECONDS lane_status=0
-        MOPT_TEST_STATE_DIR="$REPO/.mopt/test-state-lane" "${pytest[@]}" --basetemp "$lane_dir/tmp" "${LANE[@]}" \
-            || lane_status=$?
-        echo "test.sh: the lane took $(( SECONDS - lane_started )) s"
-        exit "$lane_status"
-    ) > "$lane_dir/log" 2>&1 &
-    lane_pid=$!
-    "${pytest[@]}" "${beside[@]}" || rc=$((rc ? rc : $?))
-    wait "$lane_pid" || lane_rc=$?
-    echo "test.sh: beside ${BESIDE[*]}, the lane ran ${LANE[*]}:"
-    cat "$lane_dir/log"
-    rm -rf "$lane_dir"
-    rc=$((rc ? rc : lane_rc))
-    "${pytest[@]}" "${after[@]}" || rc=$((rc ? rc : $?))
-    return "$rc"
+        begun=$SECONDS status=0
+        nice -n "$niceness" "${PYTEST[@]}" --durations=10 --basetemp "$dir/tmp" "$@" || status=$?
+        echo "test.sh: this lane took $(( SECONDS - begun )) s"
+        exit "$status"
+    ) > "$dir/log" 2>&1 &
+    BG_PID=$!
+}
+await() {  # PID DIR TITLE: waits, prints the lane's output under TITLE; returns its status
+    local status=0
+    wait "$1" || status=$?
+    echo "test.sh: $3:"
+    cat "$2/log"
+    rm -rf "$2"
+    return "$status"
 }
 rc=0
 # The mutation check on a sample of the core's mutants, drawn anew for each commit (the full run and its
@@ -66,21 +66,36 @@ if [ "$#" -eq 0 ] && [ "$sample" != 0 ]; then
     mutation_pid=$!
 fi
 if [ "$#" -eq 0 ]; then
-    # The tiers one after the other: the integration tier alone (its tests share the daemon, the registry
-    # and the state dir), then the unit tier spread over up to 4 processes, one test file to a process
-    # (pytest-xdist's loadfile: a file's module fixtures are built once). Side by side, the unit tier's
-    # timing tests failed under the builds' load (docs/testing.md).
+    before=() beside=() after=() unit_rest=()
+    for module in tests/integration/test_*.py; do
+        name="$(basename "$module" .py)"
+        if [[ " ${LANE[*]} " == *" $module "* ]]; then continue
+        elif [[ " ${BESIDE[*]} " == *" $name "* ]]; then beside+=("$module")
+        elif [[ "$name" < "${BESIDE[0]}" ]]; then before+=("$module")
+        else after+=("$module"); fi
+    done
+    for module in "${UNIT_BESIDE[@]}"; do unit_rest+=(--ignore "$module"); done
     workers=$(nproc 2>/dev/null || echo 2)
     workers=$(( workers > 4 ? 4 : workers < 1 ? 1 : workers ))
     started=$SECONDS
-    run_integration_tier || rc=$?
+    "${PYTEST[@]}" --durations=10 "${before[@]}" || rc=$?
+    lane_dir="$(mktemp -d)"
+    MOPT_TEST_STATE_DIR="$REPO/.mopt/test-state-lane" background "$lane_dir" 0 "${LANE[@]}"
+    lane_pid=$BG_PID
+    "${PYTEST[@]}" --durations=10 "${beside[@]}" || rc=$((rc ? rc : $?))
+    await "$lane_pid" "$lane_dir" "beside ${BESIDE[*]}, the lane ran ${LANE[*]}" || rc=$((rc ? rc : $?))
+    unit_dir="$(mktemp -d)"
+    background "$unit_dir" 10 "${UNIT_BESIDE[@]}"
+    unit_pid=$BG_PID
+    "${PYTEST[@]}" --durations=10 "${after[@]}" || rc=$((rc ? rc : $?))
     echo "test.sh: the integration tier took $(( SECONDS - started )) s"
     started=$SECONDS
-    .venv/bin/python -m pytest -p no:cacheprovider --durations=25 -n "$workers" --dist loadfile tests/unit \
+    "${PYTEST[@]}" --durations=25 -n "$workers" --dist loadfile "${unit_rest[@]}" tests/unit || rc=$((rc ? rc : $?))
+    await "$unit_pid" "$unit_dir" "beside the integration tier's last modules, the unit files ${UNIT_BESIDE[*]}" \
         || rc=$((rc ? rc : $?))
-    echo "test.sh: the unit tier took $(( SECONDS - started )) s on $workers processes"
+    echo "test.sh: the rest of the unit tier took $(( SECONDS - started )) s on $workers processes"
 else
-    .venv/bin/python -m pytest -p no:cacheprovider --durations=25 "$@" tests || rc=$?
+    "${PYTEST[@]}" --durations=25 "$@" tests || rc=$?
 fi
 if [ -n "$mutation_pid" ]; then
     mutation_rc=0
