@@ -27,12 +27,12 @@ PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
 # in it or beside it waits on the clock.
 LANE=(tests/integration/test_cuda_from_pypi.py tests/integration/test_inductor_cpu.py)
 BESIDE=(test_hardened_image test_hub_model test_infra test_lock_repro)
-background() {  # DIR NICENESS PYTEST-ARGS...: pytest in the background, its output in DIR/log; sets BG_PID
-    local dir="$1" niceness="$2"
-    shift 2
+background() {  # DIR PYTEST-ARGS...: pytest in the background, its output in DIR/log; sets BG_PID
+    local dir="$1"
+    shift
     (
         begun=$SECONDS status=0
-        nice -n "$niceness" "${PYTEST[@]}" --durations=10 --basetemp "$dir/tmp" "$@" || status=$?
+        "${PYTEST[@]}" --durations=10 --basetemp "$dir/tmp" "$@" || status=$?
         echo "test.sh: this lane took $(( SECONDS - begun )) s"
         exit "$status"
     ) > "$dir/log" 2>&1 &
@@ -74,7 +74,7 @@ if [ "$#" -eq 0 ]; then
     started=$SECONDS
     "${PYTEST[@]}" --durations=10 "${before[@]}" || rc=$?
     lane_dir="$(mktemp -d)"
-    MOPT_TEST_STATE_DIR="$REPO/.mopt/test-state-lane" background "$lane_dir" 0 "${LANE[@]}"
+    MOPT_TEST_STATE_DIR="$REPO/.mopt/test-state-lane" background "$lane_dir" "${LANE[@]}"
     lane_pid=$BG_PID
     "${PYTEST[@]}" --durations=10 "${beside[@]}" || rc=$((rc ? rc : $?))
     await "$lane_pid" "$lane_dir" "beside ${BESIDE[*]}, the lane ran ${LANE[*]}" || rc=$((rc ? rc : $?))

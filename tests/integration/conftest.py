@@ -17,7 +17,7 @@ from builder.localregistry import find_registry_binary
 
 REPO = Path(__file__).resolve().parents[2]
 # Builds share one state directory, so a re-run on a machine that already built reuses the engines.
-# scripts/test.sh gives the module it runs beside the others a state dir of its own (one mopt per dir).
+# scripts/test.sh gives the modules of its second lane a state dir of their own (one mopt per dir).
 STATE = Path(os.environ.get("MOPT_TEST_STATE_DIR") or REPO / ".mopt" / "test-state")
 
 
