@@ -5,8 +5,9 @@
 
 A form is an input form (padded, packed) with options after colons: `packed:unfused` compiles with
 MOPT_FUSED_QK=0 (transformers' q/k norm and rotation instead of the fused kernel, fused_qk.py),
-`packed:merged` with MOPT_MERGED_PROJ=1 (q/k/v and gate/up each as one layer, merged.py), and a
-precision (`packed:fp8`) overrides --precision for that engine. The engines compile in parallel, one
+`packed:merged` with MOPT_MERGED_PROJ=1 (q/k/v and gate/up each as one layer, merged.py), `:static` with
+MOPT_FP8_SCALES=static (fp8 inputs scaled by calibrated ranges, quantize.py), and a precision
+(`packed:fp8`) overrides --precision for that engine. The engines compile in parallel, one
 process each (the compile is mostly CPU work; the machine's cores are many).
 
 Builds a random-weight model of the family's shape (qwen3: Qwen3-Embedding-0.6B, a causal decoder with
@@ -100,7 +101,8 @@ def make_model(dest: Path, family: str, layers: int) -> Path:
 
 
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "int8")
-SWITCHES = {"unfused": ("MOPT_FUSED_QK", "0"), "merged": ("MOPT_MERGED_PROJ", "1")}  # form option -> variable
+SWITCHES = {"unfused": ("MOPT_FUSED_QK", "0"), "merged": ("MOPT_MERGED_PROJ", "1"),  # form option -> variable
+            "static": ("MOPT_FP8_SCALES", "static")}
 
 
 def form_options(form: str, a) -> tuple[str, str, dict]:

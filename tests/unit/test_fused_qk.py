@@ -221,6 +221,7 @@ def test_the_compile_step_fuses_and_quantizes_what_its_params_ask_and_records_it
     from builder.runtime.tiny_qwen3 import make_tiny_qwen3
 
     monkeypatch.delenv(fused_qk.ENV, raising=False)
+    monkeypatch.delenv("MOPT_FP8_SCALES", raising=False)
     monkeypatch.setenv(merged.ENV, "1")  # opt-in (merged.py says why)
     params = EngineParams(backend="torch-aot", device=device, precision=precision, pooling="last", max_batch=8,
                           max_seq_len=64, input_form=form, **({"attention": "causal"} if form == "padded" else {}))
@@ -255,3 +256,41 @@ def test_the_compile_step_fuses_and_quantizes_what_its_params_ask_and_records_it
     monkeypatch.delenv(merged.ENV)  # the default: not merged
     again = build_module(str(tmp_path / "tiny"), params, torch_aot.BODY_DTYPES.get(precision, torch.float32), "cpu")
     assert "merged" not in torch_aot.prepare_body(again, params, lambda: {})
+
+
+@pytest.mark.timeout(120)
+def test_static_fp8_scales_come_from_the_calibration_pass_after_merging(tmp_path, monkeypatch):
+    """MOPT_FP8_SCALES=static: prepare_body calls its calibration once, after the merge (the merged layers'
+    names), each fp8 layer scaled by its range's largest value, and engine.json says so."""
+    from builder.runtime.backends import torch_aot
+    from builder.runtime.backends.torch_common import build_module
+    from builder.runtime.params import EngineParams
+    from builder.runtime.quantize import _linears
+    from builder.runtime.tiny_qwen3 import make_tiny_qwen3
+
+    monkeypatch.delenv(fused_qk.ENV, raising=False)
+    monkeypatch.setenv(merged.ENV, "1")
+    monkeypatch.setenv("MOPT_FP8_SCALES", "static")
+    params = EngineParams(backend="torch-aot", device="cuda", precision="fp8", pooling="last", max_batch=8,
+                          max_seq_len=64, input_form="packed")
+    module = build_module(str(make_tiny_qwen3(tmp_path / "tiny")), params, torch.bfloat16, "cpu")
+    calls = []
+
+    def calibration():
+        names = [name for name, _, _, _ in _linears(module.body)]
+        calls.append(names)
+        return {name: torch.full((layer.in_features,), 2.0 + i) for i, (name, _, _, layer)
+                in enumerate(_linears(module.body))}
+    record = torch_aot.prepare_body(module, params, calibration)
+    assert len(calls) == 1 and any(n.endswith("qkv_proj") for n in calls[0])
+    assert not any(n.endswith(".q_proj") or n.endswith("gate_proj") for n in calls[0])
+    assert record["fp8"]["scales"] == "per-channel weights, per-tensor static activations"
+    assert record["fp8"]["linear_layers"] == 2 * 4 and record["fp8"]["calibration_texts"] >= 8
+    first = module.body.layers[0].self_attn.qkv_proj
+    assert first.static and float(first.input_inverse) == pytest.approx(448 / (2.0 + calls[0].index(
+        "layers.0.self_attn.qkv_proj")))
+    monkeypatch.setenv("MOPT_FP8_SCALES", "dynamic")
+    again = build_module(str(tmp_path / "tiny"), params, torch.bfloat16, "cpu")
+    record = torch_aot.prepare_body(again, params, lambda: pytest.fail("dynamic scales need no calibration"))
+    assert record["fp8"]["scales"] == "per-channel weights, per-token activations"
+    assert not again.body.layers[0].self_attn.qkv_proj.static

@@ -12,9 +12,11 @@ torch = pytest.importorskip("torch", reason="the runtime needs torch")
 
 from builder.runtime.quantize import (  # noqa: E402
     FP8_MAX,
+    FP8_SCALES_ENV,
     QMAX,
     Fp8Linear,
     Int8Linear,
+    fp8_scales,
     input_ranges,
     kept_linears,
     quantize_linears,
@@ -272,8 +274,9 @@ def test_fp8_keeps_the_linear_layers_scaled_mm_does_not_take():
         Fp8Linear(layers["odd_in"])
     with pytest.raises(ValueError, match="bf16 or fp16"):
         Fp8Linear(torch.nn.Linear(16, 16))  # fp32: _scaled_mm's bf16/fp16 epilogue is the point
-    with pytest.raises(ValueError, match="not smoothed"):
-        quantize_linears(layers, {"odd_in": torch.ones(24)}, kind="fp8")
+    with pytest.raises(ValueError, match="fits: no calibrated input range"):  # static scales need every range
+        quantize_linears(torch.nn.ModuleDict({"fits": torch.nn.Linear(32, 16).to(torch.bfloat16)}),
+                         {"odd_in": torch.ones(24)}, kind="fp8")
 
 
 def test_the_fp8_layer_exports_as_scaled_mm():
@@ -294,12 +297,80 @@ def test_fp8_is_a_cuda_precision_of_torch_aot():
         EngineParams(backend="torch-aot", device="cpu", precision="fp8")
 
 
+def test_a_static_fp8_layer_scales_its_input_by_the_calibrated_range_and_weights_per_channel():
+    """MOPT_FP8_SCALES=static: the input quantized with one fixed scale (range / 448), the weights per output
+    channel as before, the product against a float64 reference of that formula; inputs past the range
+    saturate at +-448 steps; one row made loud changes no other row."""
+    layer = _bf16_linear(64, 32, seed=8)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    input_range = float(x.float().abs().max()) * 0.75  # the largest quarter of the values saturate
+    q = Fp8Linear(layer, input_range)
+    scale = input_range / FP8_MAX
+    qx = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale
+    w_scale = layer.weight.detach().float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    qw = (layer.weight.detach().float() / w_scale).to(torch.float8_e4m3fn).double() * w_scale.double()
+    want = qx @ qw.t() + layer.bias.detach().double()
+    got = q(x)
+    assert got.dtype == torch.bfloat16 and q.static and "per tensor (static)" in repr(q)
+    assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=1e-3)
+    assert float((got == want.to(torch.bfloat16)).float().mean()) > 0.9
+    assert torch.equal(q.weight_scale, (w_scale * scale).t())  # the input's scale folded into the weights'
+    clipped = (x.float().abs() > input_range).any(dim=1)
+    assert clipped.any() and not clipped.all()
+    loud = x.clone()
+    loud[0] *= 1000  # saturates: row 0 changes, the others do not (the scale is fixed, not the call's)
+    after = q(loud)
+    assert torch.equal(after[1:], got[1:]) and not torch.equal(after[0], got[0])
+    assert not Fp8Linear(layer).static  # without a range: per token at run time
+
+
+def test_a_static_fp8_layer_exports_without_a_reduction_before_its_product():
+    """The point of static scales: the input's quantization is pointwise (no amax), which Inductor fuses
+    into the kernel before; the dynamic layer's graph has the amax."""
+    layer = _bf16_linear(32, 16, seed=9)
+    x = torch.randn(6, 32).to(torch.bfloat16)
+    graphs = {}
+    for name, q in (("static", Fp8Linear(layer, 3.0)), ("dynamic", Fp8Linear(layer))):
+        exported = torch.export.export(q, (x,))
+        graphs[name] = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+        assert "aten._scaled_mm.default" in graphs[name] and torch.equal(exported.module()(x), q(x))
+    assert "aten.amax.default" in graphs["dynamic"] and "aten.amax.default" not in graphs["static"]
+
+
+def test_quantize_linears_gives_fp8_layers_static_scales_from_their_ranges():
+    layers = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 16), "b": torch.nn.Linear(16, 32)}).to(torch.bfloat16)
+    ranges = {"a": torch.tensor([0.5] * 31 + [6.0]), "b": torch.full((16,), 2.0)}
+    assert quantize_linears(layers, ranges, kind="fp8") == 2
+    assert layers["a"].static and layers["b"].static
+    assert float(layers["a"].input_inverse) == pytest.approx(FP8_MAX / 6.0)  # the largest channel's range
+    assert float(layers["b"].input_inverse) == pytest.approx(FP8_MAX / 2.0)
+
+
+def test_the_fp8_scales_switch_is_checked_and_documented(monkeypatch):
+    from pathlib import Path
+
+    from builder.runtime.errors import UsageError
+
+    monkeypatch.delenv(FP8_SCALES_ENV, raising=False)
+    assert fp8_scales() == "dynamic"
+    monkeypatch.setenv(FP8_SCALES_ENV, "static")
+    assert fp8_scales() == "static"
+    monkeypatch.setenv(FP8_SCALES_ENV, "Static ")
+    with pytest.raises(UsageError, match="MOPT_FP8_SCALES must be one of dynamic, static, not 'Static '"):
+        fp8_scales()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "environment.yaml").read_text()
+    assert f"\n{FP8_SCALES_ENV}:\n" in docs
+
+
 @pytest.mark.timeout(120)
-def test_minilm_with_fp8_linear_layers_stays_within_the_gate_of_fp32():
+@pytest.mark.parametrize("scales", ["dynamic", "static"])
+def test_minilm_with_fp8_linear_layers_stays_within_the_gate_of_fp32(scales):
     """all-MiniLM-L6-v2 as an fp8 engine builds it (a bf16 body, every linear layer fp8, unsmoothed), run
     eagerly on the CPU over the compile gate's texts to 512 tokens, pooled and normalised: cosine >= 0.99
-    against the fp32 model on every text (measured: min 0.9907, mean 0.9954; smoothed 0.9888 / 0.9947)."""
+    against the fp32 model on every text (measured: min 0.9907, mean 0.9954; smoothed 0.9888 / 0.9947;
+    static input scales from the compile step's calibration pass, 0.9921 / 0.9954)."""
     pytest.importorskip("transformers", reason="the runtime needs transformers")
+    from builder.runtime.backends.torch_aot import calibrate
     from builder.runtime.backends.torch_common import build_module, eager_reference
     from builder.runtime.gate import gate_texts, model_windows
     from builder.runtime.params import EngineParams
@@ -313,7 +384,9 @@ def test_minilm_with_fp8_linear_layers_stays_within_the_gate_of_fp32():
     assert len(texts) >= 20 and max(map(len, ids)) == 512
     want = torch.tensor(eager_reference(model, texts, params))
     module = build_module(model, params, torch.bfloat16, "cpu")
-    assert quantize_linears(module.body, kind="fp8") >= 36 and kept_linears(module.body) == []  # 6 layers x 6
+    ranges = calibrate(module, model, params) if scales == "static" else None
+    assert quantize_linears(module.body, ranges, kind="fp8") >= 36 and kept_linears(module.body) == []  # 6 x 6
+    assert module.body.encoder.layer[0].attention.self.query.static == (scales == "static")
     with torch.no_grad():
         got = torch.cat([module(t, torch.ones_like(t)).float() for t in (torch.tensor([s]) for s in ids)])
     cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)

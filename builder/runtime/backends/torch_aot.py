@@ -33,7 +33,7 @@ from ..merged import merge_projections
 from ..merged import wanted as merged_wanted
 from ..packed import attention_plan, pack
 from ..params import EngineParams
-from ..quantize import CALIBRATION_TEXTS, SMOOTHING, input_ranges, kept_linears, quantize_linears
+from ..quantize import CALIBRATION_TEXTS, SMOOTHING, fp8_scales, input_ranges, kept_linears, quantize_linears
 from ..sdpa import sdpa_kernels, sdpa_summary
 from ..tokenization import TextEncoder
 from . import dense_packing
@@ -99,7 +99,8 @@ def prepare_body(module, params: EngineParams, calibration) -> dict:
     Packed CUDA engines: Qwen3's q/k norm and rotation as one Triton kernel (fused_qk.py), then, opted in,
     its parallel projections merged (merged.py) before quantizing, so each merged layer quantizes its input once.
     int8 (CPU): an fp32 body whose linear layers compute in int8, smoothed by CALIBRATION() (input ranges);
-    fp8 (CUDA): a bf16 body whose linear layers compute in fp8, not smoothed (quantize.py)."""
+    fp8 (CUDA): a bf16 body whose linear layers compute in fp8, not smoothed, their inputs scaled per token
+    or, with MOPT_FP8_SCALES=static, by CALIBRATION()'s ranges (quantize.py)."""
     recorded = {}
     if params.packed and params.device == "cuda":
         fused = fuse_qk_norm_rope(module.body) if fused_wanted() else 0
@@ -112,9 +113,14 @@ def prepare_body(module, params: EngineParams, calibration) -> dict:
         recorded["int8"] = {"linear_layers": quantize_linears(module.body, calibration()),
                             "smoothing_alpha": SMOOTHING, "calibration_texts": len(CALIBRATION_TEXTS)}
     elif params.precision == "fp8":
-        recorded["fp8"] = {"linear_layers": quantize_linears(module.body, kind="fp8"),
+        static = fp8_scales() == "static"
+        recorded["fp8"] = {"linear_layers": quantize_linears(module.body, calibration() if static else None,
+                                                             kind="fp8"),
                            "kept_linear": kept_linears(module.body), "format": "e4m3fn",
-                           "scales": "per-channel weights, per-token activations"}
+                           "scales": ("per-channel weights, per-tensor static activations" if static
+                                      else "per-channel weights, per-token activations")}
+        if static:
+            recorded["fp8"]["calibration_texts"] = len(CALIBRATION_TEXTS)
     return recorded
 
 
