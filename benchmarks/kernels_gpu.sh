@@ -73,7 +73,7 @@ done
 profile=(--profile)
 [ "${PROFILE:-1}" = 0 ] && profile=()
 MOPT_CUDA_GRAPHS=1 timeout "${QWEN_TIMEOUT:-1100}" python3 benchmarks/packed_bench.py --family qwen3 \
-    --layers "${LAYERS:-28}" --no-jit --no-eager --forms "${FORMS:-packed:unfused,packed,packed:unfused:fp8,packed:fp8}" \
+    --layers "${LAYERS:-28}" --no-jit --no-eager --forms "${FORMS:-packed:unmerged,packed,packed:unmerged:fp8,packed:fp8,packed:fp8:static}" \
     --max-seqs 512 --rounds "${ROUNDS:-3}" "${profile[@]}" --min-cosine -1 --out "$OUT" > "$OUT/qwen3.log" 2>&1
 echo "packed_bench rc=$?" >> "$OUT/qwen3.log"
 wait

@@ -5,7 +5,8 @@
 
 A form is an input form (padded, packed) with options after colons: `packed:unfused` compiles with
 MOPT_FUSED_QK=0 (transformers' q/k norm and rotation instead of the fused kernel, fused_qk.py),
-`packed:merged` with MOPT_MERGED_PROJ=1 (q/k/v and gate/up each as one layer, merged.py), `:static` with
+`packed:unmerged` with MOPT_MERGED_PROJ=0 (q/k/v and gate/up as separate layers; merged, the default since
+2026-12-06, each group is one layer, merged.py; `packed:merged` says so explicitly), `:static` with
 MOPT_FP8_SCALES=static (fp8 inputs scaled by calibrated ranges, quantize.py), and a precision
 (`packed:fp8`) overrides --precision for that engine. The engines compile in parallel, one
 process each (the compile is mostly CPU work; the machine's cores are many).
@@ -102,6 +103,7 @@ def make_model(dest: Path, family: str, layers: int) -> Path:
 
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "int8")
 SWITCHES = {"unfused": ("MOPT_FUSED_QK", "0"), "merged": ("MOPT_MERGED_PROJ", "1"),  # form option -> variable
+            "unmerged": ("MOPT_MERGED_PROJ", "0"),
             "static": ("MOPT_FP8_SCALES", "static")}
 
 

@@ -222,7 +222,7 @@ def test_the_compile_step_fuses_and_quantizes_what_its_params_ask_and_records_it
 
     monkeypatch.delenv(fused_qk.ENV, raising=False)
     monkeypatch.delenv("MOPT_FP8_SCALES", raising=False)
-    monkeypatch.setenv(merged.ENV, "1")  # opt-in (merged.py says why)
+    monkeypatch.delenv(merged.ENV, raising=False)  # the default: merged
     params = EngineParams(backend="torch-aot", device=device, precision=precision, pooling="last", max_batch=8,
                           max_seq_len=64, input_form=form, **({"attention": "causal"} if form == "padded" else {}))
     module = build_module(str(make_tiny_qwen3(tmp_path / "tiny")), params,
@@ -253,7 +253,7 @@ def test_the_compile_step_fuses_and_quantizes_what_its_params_ask_and_records_it
     record = torch_aot.prepare_body(again, params, lambda: {})
     assert "fused" not in record  # and without the fused forward, attention stays unmerged
     assert record.get("merged") == ({"qkv": 0, "gate_up": 2} if packed_cuda else None)
-    monkeypatch.delenv(merged.ENV)  # the default: not merged
+    monkeypatch.setenv(merged.ENV, "0")  # switched off: not merged
     again = build_module(str(tmp_path / "tiny"), params, torch_aot.BODY_DTYPES.get(precision, torch.float32), "cpu")
     assert "merged" not in torch_aot.prepare_body(again, params, lambda: {})
 

@@ -84,10 +84,10 @@ def test_every_qwen3_mlp_gets_one_gate_up_layer_and_computes_as_before():
 
 
 @pytest.mark.timeout(60)
-def test_merging_is_opt_in_until_measured_on_a_gpu(monkeypatch):
+def test_merging_is_on_unless_switched_off(monkeypatch):
     monkeypatch.delenv(merged.ENV, raising=False)
-    assert not merged.wanted()
-    for value, want in (("1", True), ("0", False), ("yes", False)):
+    assert merged.wanted()
+    for value, want in (("1", True), ("0", False), ("yes", True)):
         monkeypatch.setenv(merged.ENV, value)
         assert merged.wanted() is want
 
