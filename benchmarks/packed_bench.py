@@ -152,7 +152,7 @@ def finish_compile(started, out: Path, a, form: str) -> dict:
     engine = json.loads((out / "engine.json").read_text())
     return {"compile_s": round(time.monotonic() - t, 1), "engine_min_cosine": summary.get("engine_min_cosine"),
             "accuracy_by_length": engine.get("accuracy_by_length"), "accuracy": engine.get("accuracy"),
-            "fused": engine.get("fused"), "fp8": engine.get("fp8")}
+            "fused": engine.get("fused"), "merged": engine.get("merged"), "fp8": engine.get("fp8")}
 
 
 def lognormal_lengths(seq: int, texts: int, rng) -> list[int]:

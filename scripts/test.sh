@@ -35,7 +35,9 @@ UNIT_BESIDE=(tests/unit/test_runtime_gpu_paths.py tests/unit/test_config_fuzz.py
 SESSIONS="$(mktemp)"  # the sessions lowest() started, ended with test.sh
 end_sessions() {
     local sid
-    while read -r sid; do kill -- "-$sid" 2>/dev/null || true; done < "$SESSIONS"  # its process group
+    if [ -f "$SESSIONS" ]; then
+        while read -r sid; do kill -- "-$sid" 2>/dev/null || true; done < "$SESSIONS"  # its process group
+    fi
     rm -f "$SESSIONS"
 }
 trap end_sessions EXIT
@@ -44,13 +46,15 @@ lowest() {  # COMMAND...: at the lowest CPU weight there is, so that it takes on
     # Debian's kernels), one per session, and test.sh's group competes with the containers' cgroup as an
     # equal. So the command gets a session (a group) of its own at nice 19 too. Measured: niced 10 in
     # test.sh's session, unit files beside AFTER made the release bench's server answer 503 (docs/testing.md).
-    setsid bash -c 'echo "$$" >> "$0"; echo 19 > /proc/self/autogroup 2>/dev/null; exec nice -n 19 "$@"' \
+    # --wait: where the caller leads a process group, setsid forks, and its status must still be the command's.
+    setsid --wait bash -c 'echo "$$" >> "$0"; echo 19 2>/dev/null > /proc/self/autogroup; exec nice -n 19 "$@"' \
         "$SESSIONS" "$@"
 }
 background() {  # DIR COMMAND...: the command (pytest and its arguments) in the background, its output in
-    local dir="$1"  # DIR/log; sets BG_PID
+    local dir="$1"  # DIR/log; sets BG_PID. It starts once the file AFTER_FILE (if set) exists.
     shift
     (
+        while [ -n "${AFTER_FILE:-}" ] && [ ! -e "$AFTER_FILE" ]; do sleep 5; done
         begun=$SECONDS status=0
         "$@" || status=$?
         echo "test.sh: this lane took $(( SECONDS - begun )) s"
@@ -72,12 +76,19 @@ rc=0
 # runs beside pytest, niced (CPU-bound, while the integration tier mostly waits on Docker), and prints
 # when pytest is done: together they took 46 min in a row on 2 cores.
 sample="${MOPT_MUTATION_SAMPLE:-300}"
-mutation_pid=""
+mutation_pid="" mutation_ended=""
 if [ "$#" -eq 0 ] && [ "$sample" != 0 ]; then
     seed=$((16#$(git rev-parse --short=7 HEAD 2>/dev/null || echo 0)))
     mutation_log="$(mktemp)"
     mutation_tmp="$(mktemp -d)"  # its pytest runs number their temp dirs apart from the main run's
-    TMPDIR="$mutation_tmp" nice -n 10 .venv/bin/python scripts/mutation.py --fresh --sample "$sample" --seed "$seed" > "$mutation_log" 2>&1 &
+    mutation_ended="$mutation_tmp/ended"  # a file, not the pid: pids are reused (pid_max can be 32768)
+    (
+        status=0
+        TMPDIR="$mutation_tmp" nice -n 10 .venv/bin/python scripts/mutation.py --fresh --sample "$sample" --seed "$seed" \
+            > "$mutation_log" 2>&1 || status=$?
+        touch "$mutation_ended"
+        exit "$status"
+    ) &
     mutation_pid=$!
 fi
 if [ "$#" -eq 0 ]; then
@@ -101,7 +112,9 @@ if [ "$#" -eq 0 ]; then
     "${PYTEST[@]}" --durations=10 "${beside[@]}" || rc=$((rc ? rc : $?))
     await "$lane_pid" "$lane_dir" "beside ${BESIDE[*]}, the lane ran ${LANE[*]}" || rc=$((rc ? rc : $?))
     unit_dir="$(mktemp -d)"
-    background "$unit_dir" lowest "${PYTEST[@]}" --durations=10 --basetemp "$unit_dir/tmp" "${UNIT_BESIDE[@]}"
+    # Not beside the mutation sample, if it is still running: at the lowest weight, its group would starve them.
+    AFTER_FILE="$mutation_ended" background "$unit_dir" lowest "${PYTEST[@]}" --durations=10 --basetemp "$unit_dir/tmp" \
+        "${UNIT_BESIDE[@]}"
     unit_pid=$BG_PID
     "${PYTEST[@]}" --durations=10 "${after[@]}" || rc=$((rc ? rc : $?))
     echo "test.sh: the integration tier took $(( SECONDS - started )) s"

@@ -12,7 +12,7 @@ compute exactly what the separate ones did.
 The merged attention layer needs the forward that splits qkv_proj's output: fused_qk.py's, so attention
 is merged only where that forward is already in use (packed CUDA engines with the fused kernel). Only
 packed CUDA engines are merged (the compile step); MOPT_MERGED_PROJ=0 at compile time keeps the separate
-layers, for comparison (benchmarks/packed_bench.py: `packed` against `packed:merged`). Measured on an
+layers, for comparison (benchmarks/packed_bench.py: `packed:unmerged` against `packed`). Measured on an
 H100 at Qwen3-0.6B's 28 layers (docs/performance.md): bf16 as fast at 64 x 512 (1.00x), 1.03x at
 16 x 128, batch 1 x 32 in 1.64 ms instead of 1.83; fp8 1.05x at 64 x 512; the same cosines. On the CPU
 its arithmetic is checked against the separate layers (tests/unit/test_merged.py, test_fused_qk.py).
@@ -25,6 +25,7 @@ import types
 import torch
 from torch import nn
 
+from .errors import UsageError
 from .fused_qk import is_fused
 
 ENV = "MOPT_MERGED_PROJ"
@@ -33,7 +34,11 @@ _MLP = ("gate_proj", "up_proj")
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    """MOPT_MERGED_PROJ: 1 (the default) or 0; anything else is a usage error, not a silent choice."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise UsageError(f"{ENV} must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 def merge_linears(layers: list[nn.Linear]) -> nn.Linear:

@@ -44,10 +44,12 @@ quantizing the input is a multiply, a clamp and a cast, which Inductor fuses int
 produced the input; the dynamic form's per-token amax is a reduction pass of its own before each GEMM
 (the H100 profile in docs/performance.md: 4.2 ms of a 27 ms call after the MLP's SiLU alone). Weights
 stay per output channel, so the product is _scaled_mm's row-wise form with the static scale folded into
-the weights' scales and a column of ones as the input's. On all-MiniLM-L6-v2 against fp32 on the gate's
-texts to 512 tokens (CPU, as above): min cosine 0.9921, mean 0.9954, where the dynamic form gives 0.9907
-/ 0.9954, and static per-tensor scales for the weights too (_scaled_mm's tensor-wise form) 0.9893 / 0.9944.
-Inputs past the calibrated range saturate at +-448.
+the weights' scales and a column of ones as the input's. On all-MiniLM-L6-v2 against fp32 on the CPU,
+the two forms are close and neither always better: to 512 tokens static 0.9921 min / 0.9954 mean against
+dynamic 0.9907 / 0.9954; to 256 tokens (its weights stored in fp16) static 0.9904 against 0.9917. Static
+per-tensor scales for the weights too (_scaled_mm's tensor-wise form) lose more: 0.9893 / 0.9944. Inputs
+past the calibrated range saturate at +-448. Opt-in: compiled for CUDA, MiniLM's static engine fell below
+its 0.99 gate (0.9877; eager on CUDA 0.9911), where the dynamic one passes (docs/performance.md).
 """
 from __future__ import annotations
 

@@ -85,11 +85,17 @@ def test_every_qwen3_mlp_gets_one_gate_up_layer_and_computes_as_before():
 
 @pytest.mark.timeout(60)
 def test_merging_is_on_unless_switched_off(monkeypatch):
+    from builder.runtime.errors import UsageError
+
     monkeypatch.delenv(merged.ENV, raising=False)
     assert merged.wanted()
-    for value, want in (("1", True), ("0", False), ("yes", True)):
+    for value, want in (("1", True), ("0", False)):
         monkeypatch.setenv(merged.ENV, value)
         assert merged.wanted() is want
+    for value in ("yes", "false", "", " 0"):  # a typo is an error, not silently merged
+        monkeypatch.setenv(merged.ENV, value)
+        with pytest.raises(UsageError, match=f"MOPT_MERGED_PROJ must be 0 or 1, not {value!r}"):
+            merged.wanted()
 
 
 class _Attention(torch.nn.Module):

@@ -96,8 +96,9 @@ def compile(model_dir: str, params: EngineParams, out_dir: str | Path) -> dict:
 
 def prepare_body(module, params: EngineParams, calibration) -> dict:
     """Fuse, merge and quantize MODULE's body in place as PARAMS ask; returns what engine.json records of it.
-    Packed CUDA engines: Qwen3's q/k norm and rotation as one Triton kernel (fused_qk.py), then, opted in,
-    its parallel projections merged (merged.py) before quantizing, so each merged layer quantizes its input once.
+    Packed CUDA engines: Qwen3's q/k norm and rotation as one Triton kernel (fused_qk.py), then (unless
+    MOPT_MERGED_PROJ=0) its parallel projections merged (merged.py) before quantizing, so each merged layer
+    quantizes its input once.
     int8 (CPU): an fp32 body whose linear layers compute in int8, smoothed by CALIBRATION() (input ranges);
     fp8 (CUDA): a bf16 body whose linear layers compute in fp8, not smoothed, their inputs scaled per token
     or, with MOPT_FP8_SCALES=static, by CALIBRATION()'s ranges (quantize.py)."""
