@@ -40,10 +40,16 @@ from .params import EngineParams
 
 log = logging.getLogger("mopt_runtime.cache")
 
-CACHE_FORMAT = 1  # bump when the key's inputs or the layout change: old entries are then not read
+CACHE_FORMAT = 2  # bump when the key's inputs or the layout change: old entries are then not read
 RUNTIME_ID_ENV = "MOPT_RUNTIME_ID"  # set by a runtime image's build (its stage key): part of the key
 # Fields of the parameters that do not change the engine: where the model is mounted and its name.
 UNKEYED_PARAMS = ("model_dir", "model_name")
+# Compile-time variables (docs/environment.yaml, `where: compile`) that change what the compile step makes:
+# an entry compiled under one setting is not served under another. MOPT_TRT_TIMING_CACHE is not keyed: it
+# names where TensorRT keeps its timing cache, not what the engine is.
+KEYED_SWITCHES = ("MOPT_FP8_SCALES", "MOPT_FUSED_QK", "MOPT_INDUCTOR_ARTIFACT", "MOPT_INDUCTOR_OPTIONS",
+                  "MOPT_MERGED_PROJ", "MOPT_SDPA_BACKENDS", "MOPT_TUNE_SHAPE")
+UNKEYED_SWITCHES = ("MOPT_TRT_TIMING_CACHE",)
 AHEAD_ENTRIES = 2  # entries hashed while torch imports (bounded: each may be gigabytes)
 AHEAD_SWITCH_S = 0.0005  # the GIL's switch interval meanwhile (Python's default is 5 ms)
 
@@ -141,7 +147,13 @@ def _keyed_params(params: dict) -> dict:
     return {k: v for k, v in params.items() if k not in UNKEYED_PARAMS}
 
 
-def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float, cpu: str) -> str:
+def compile_switches(environ=os.environ) -> dict[str, str]:
+    """The keyed compile-time variables that are set (the compile child inherits this environment)."""
+    return {name: environ[name] for name in KEYED_SWITCHES if name in environ}
+
+
+def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cosine: float, cpu: str,
+              switches: dict[str, str] | None = None) -> str:
     keyed = _keyed_params(params.to_dict())
     host = {"torch": facts.torch, "cuda": facts.cuda, "tensorrt": facts.tensorrt}
     if params.device == "cpu":
@@ -149,7 +161,7 @@ def cache_key(digest: str, params: EngineParams, runtime_id: str, facts, min_cos
     if params.device == "cuda":  # the GPU and the driver an engine was compiled and timed on
         host |= {"sm": facts.sm, "gpu_name": facts.gpu_name, "driver": facts.driver}
     src = {"format": CACHE_FORMAT, "schema": SCHEMA_VERSION, "model": digest, "params": keyed,
-           "runtime": runtime_id, "host": host, "min_cosine": min_cosine}
+           "runtime": runtime_id, "host": host, "min_cosine": min_cosine, "switches": switches or {}}
     return hashlib.sha256(json.dumps(src, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -347,7 +359,8 @@ def _resolve(source: ModelSource, facts) -> CacheResult:
         t = lap("runtime_identity", t)
         facts = facts or host_facts()
         t = lap("host_facts", t)
-        key = cache_key(digest, source.params, runtime_id, facts, source.min_cosine, cpu_capability())
+        key = cache_key(digest, source.params, runtime_id, facts, source.min_cosine, cpu_capability(),
+                        compile_switches())
         entry = engines / key
         # Checked under a shared lock: replicas starting together load at once; only a miss waits its turn.
         with _locked(engines / f"{key}.lock", key, exclusive=False) as writable:

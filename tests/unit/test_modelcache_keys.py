@@ -56,6 +56,13 @@ def test_the_key_holds_every_input_the_engine_depends_on(monkeypatch):
     assert modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX512") != modelcache.cache_key(
         "a" * 64, PARAMS, "r", facts, 0.99, "AVX2")
     assert modelcache.cpu_capability()
+    # each compile-time switch that changes the engine; set to the same value, the same key
+    switched = {name: modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX2", {name: "0"})
+                for name in modelcache.KEYED_SWITCHES}
+    assert base not in switched.values() and len(set(switched.values())) == len(switched)
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX2", {"MOPT_FP8_SCALES": "static"}) != (
+        modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX2", {"MOPT_FP8_SCALES": "dynamic"}))
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", facts, 0.99, "AVX2", {}) == base
     first = modelcache.runtime_identity()
     monkeypatch.setenv(modelcache.RUNTIME_ID_ENV, "sha256:other-image")
     assert modelcache.runtime_identity() != first
@@ -194,9 +201,9 @@ def test_the_key_is_stable_for_the_same_inputs():
     hash) orphans every warmed cache, so it must be deliberate (CACHE_FORMAT, and this test updated)."""
     cpu = HostFacts(torch="2.13.0", cuda=None, tensorrt=None, sm=None, gpu_name=None, driver=None)
     gpu = HostFacts(torch="2.13.0", cuda="13.0", tensorrt=None, sm="90", gpu_name="NVIDIA H200", driver="580.1")
-    assert modelcache.cache_key("a" * 64, PARAMS, "r", cpu, 0.99, "AVX2") == "3e0e3403bcb2df914a8ef1ed04fd580f"
+    assert modelcache.cache_key("a" * 64, PARAMS, "r", cpu, 0.99, "AVX2") == "42d25e1add09906ebf71542cb67e6b1f"
     cuda = replace(PARAMS, device="cuda", precision="bf16")
-    assert modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99, "AVX2") == "8af73035954c82f427ac4b510dd2f3b1"
+    assert modelcache.cache_key("a" * 64, cuda, "r", gpu, 0.99, "AVX2") == "23e93f6955042a31c29964d035c33d47"
 
 
 def test_a_memo_without_a_digest_is_hashed_again(model, tmp_path):
@@ -337,3 +344,34 @@ def test_entries_that_are_not_this_models_do_not_end_the_search(tmp_path):
     (engines / "c-broken").mkdir()
     (engines / "c-broken" / "engine.json").write_text("{")
     assert modelcache._likely_entries(engines, digest, PARAMS) == [good]
+
+
+def test_the_keyed_switches_are_the_documented_compile_time_variables():
+    """A compile-time variable added to docs/environment.yaml must be keyed or said not to change the engine:
+    otherwise an engine compiled under one setting is served after a restart under another."""
+    import yaml
+
+    documented = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "environment.yaml").read_text())
+    compile_time = {name for name, entry in documented.items() if entry["where"] == "compile"}
+    assert set(modelcache.KEYED_SWITCHES) | set(modelcache.UNKEYED_SWITCHES) == compile_time
+    assert not set(modelcache.KEYED_SWITCHES) & set(modelcache.UNKEYED_SWITCHES)
+    environ = {"MOPT_FP8_SCALES": "static", "MOPT_TRT_TIMING_CACHE": "/t", "MOPT_LOG_LEVEL": "INFO", "HOME": "/"}
+    assert modelcache.compile_switches(environ) == {"MOPT_FP8_SCALES": "static"}
+    assert modelcache.compile_switches({}) == {}
+
+
+def test_a_start_finds_the_entry_compiled_under_its_switches(model, tmp_path, monkeypatch):
+    """serve --model-id keys its entry on the compile-time variables of its environment: the entry made
+    with MOPT_FP8_SCALES=static is the one a start with that setting loads (without it, another key)."""
+    cache = tmp_path / "cache"
+    source = modelcache.model_source(str(model), str(cache), PARAMS, set(), min_cosine=0.99)
+    digest = modelcache.model_digest(model, cache)
+    args = (digest, source.params, modelcache.runtime_identity(), CPU_FACTS, source.min_cosine,
+            modelcache.cpu_capability())
+    static = modelcache.cache_key(*args, {"MOPT_FP8_SCALES": "static"})
+    assert static != modelcache.cache_key(*args)
+    entry = fake_entry(cache / "engines", static, digest, source.params, CPU_FACTS)
+    monkeypatch.setenv("MOPT_FP8_SCALES", "static")
+    monkeypatch.setattr("builder.runtime.hostinfo.host_facts", lambda: CPU_FACTS)
+    result = modelcache.resolve_cached(source)
+    assert (result.outcome, result.engine_dir, result.key) == ("hit", entry, static)
