@@ -752,7 +752,9 @@ def test_the_next_call_is_due_when_the_calls_in_flight_end_less_the_lead(make):
     with batcher._cond:
         batcher._rate = 8.0  # 4 tokens: 0.5 s
         started = batcher._inflight[0].started
-        assert batcher._due() == pytest.approx(started + 0.5 - LEAD_S)
+        # relative to the start: approx's relative tolerance on a monotonic clock's value (hours of uptime)
+        # would pass LEAD_S added instead of taken off
+        assert batcher._due() - started == pytest.approx(0.5 - LEAD_S, abs=1e-9)
     engine.release.set()
 
 
