@@ -23,7 +23,7 @@ PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
 #   in a state dir of their own (one mopt per state dir);
 # - AFTER (the rest: server timings, benches, prune), with the lane's end awaited; beside them, at the
 #   lowest CPU weight (lowest(), below), the unit files of UNIT_BESIDE: fuzzers, rule checks, CPU compiles,
-#   no bound on the clock but hang guards of 120 s and more around runs of a few to 70 s.
+#   no bound on the clock but hang guards of 60 s and more around runs of milliseconds to 70 s.
 # Then the rest of the unit tier over the cores. Put a module in the lane only if nothing in it or beside it
 # waits on the clock.
 LANE=(tests/integration/test_cuda_from_pypi.py tests/integration/test_inductor_cpu.py)
@@ -31,7 +31,9 @@ BESIDE=(test_hardened_image test_hub_model test_infra test_lock_repro)
 UNIT_BESIDE=(tests/unit/test_runtime_gpu_paths.py tests/unit/test_config_fuzz.py tests/unit/test_runtime_qwen3.py
              tests/unit/test_forward_compat.py tests/unit/test_bad_config_fuzz.py tests/unit/test_families.py
              tests/unit/test_conventions.py tests/unit/test_cli.py tests/unit/test_substitutes.py
-             tests/unit/test_render.py tests/unit/test_doctor.py)
+             tests/unit/test_render.py tests/unit/test_doctor.py tests/unit/test_packed.py tests/unit/test_quantize.py
+             tests/unit/test_fused_qk.py tests/unit/test_merged.py tests/unit/test_render_determinism.py
+             tests/unit/test_backend_contract.py tests/unit/test_contract.py)
 SESSIONS="$(mktemp)"  # the sessions lowest() started, ended with test.sh
 end_sessions() {
     local sid
@@ -113,8 +115,10 @@ if [ "$#" -eq 0 ]; then
     await "$lane_pid" "$lane_dir" "beside ${BESIDE[*]}, the lane ran ${LANE[*]}" || rc=$((rc ? rc : $?))
     unit_dir="$(mktemp -d)"
     # Not beside the mutation sample, if it is still running: at the lowest weight, its group would starve them.
+    # Over the cores: a group's weight is the group's, however many processes share it, so a second process
+    # takes nothing more from the modules beside it and uses more of the CPU they leave idle.
     AFTER_FILE="$mutation_ended" background "$unit_dir" lowest "${PYTEST[@]}" --durations=10 --basetemp "$unit_dir/tmp" \
-        "${UNIT_BESIDE[@]}"
+        -n "$workers" --dist loadfile "${UNIT_BESIDE[@]}"
     unit_pid=$BG_PID
     "${PYTEST[@]}" --durations=10 "${after[@]}" || rc=$((rc ? rc : $?))
     echo "test.sh: the integration tier took $(( SECONDS - started )) s"
