@@ -6,10 +6,9 @@ gate's texts.
 
     CXX=g++ PYTHONPATH=$PWD python3 benchmarks/fp8_static_probe.py --model .carry/minilm-fp16 --out $OUT
 
-Measured results: benchmarks/results/fp8_static_probe_h100.json and docs/performance.md (issue 37). The
-torch.compile variants of the static form (VARIANTS: Inductor's emulate_precision_casts, a division instead
-of the multiply, a graph break before the quantization) were added after that run and have not run on a
-GPU yet.
+Measured results: benchmarks/results/fp8_static_probe_h100.json, the torch.compile variants of the static
+form (VARIANTS: Inductor's emulate_precision_casts, a division instead of the multiply, a graph break before
+the quantization) in fp8_static_probe_h100_variants.json, and docs/performance.md (issue 37).
 """
 from __future__ import annotations
 

@@ -297,8 +297,12 @@ def main(argv=None) -> int:
             from builder.runtime.backends import dense_packing
             from builder.runtime.packed import pack
 
-            ids, _, _ = padded_case(a.batch, a.seq, False, "cpu")
-            inputs = tuple(t.to(a.device) for t in pack([row.tolist() for row in ids], dense_packing(engine.params)))
+            ids, mask, _ = padded_case(a.batch, a.seq, False, "cpu")
+            if engine.params.input_form == "packed":
+                inputs = pack([row.tolist() for row in ids], dense_packing(engine.params))
+            else:  # a padded engine takes the ids and their mask
+                inputs = (ids, mask)
+            inputs = tuple(t.to(a.device) for t in inputs)
             call = partial(engine.run, *inputs)
             report["results"][f"engine {form}"]["profile"] = profile_calls(call)
         del engine

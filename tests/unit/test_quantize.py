@@ -373,6 +373,20 @@ def test_the_fp8_scales_switch_is_checked_and_documented(monkeypatch):
     assert f"\n{FP8_SCALES_ENV}:\n" in docs
 
 
+def test_static_fp8_engines_compile_with_inductor_rounding_as_eager_does(monkeypatch):
+    """Static scales fuse the input's scaling and cast into the kernel before; without emulated precision
+    casts that kernel skips eager's bf16 rounding and MiniLM fell below the gate on an H100 (torch_aot)."""
+    from builder.runtime.backends.torch_aot import precision_options
+    from builder.runtime.params import EngineParams
+
+    fp8 = EngineParams(device="cuda", precision="fp8", input_form="packed")
+    monkeypatch.setenv(FP8_SCALES_ENV, "static")
+    assert precision_options(fp8) == {"emulate_precision_casts": True}
+    assert precision_options(EngineParams(device="cuda", precision="bf16", input_form="packed")) == {}
+    monkeypatch.setenv(FP8_SCALES_ENV, "dynamic")
+    assert precision_options(fp8) == {}
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scales", ["dynamic", "static"])
 def test_minilm_with_fp8_linear_layers_stays_within_the_gate_of_fp32(scales):
