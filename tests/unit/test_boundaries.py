@@ -94,6 +94,16 @@ def test_the_contract_is_light():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_the_cli_imports_no_parser_generator():
+    """What every mopt command imports (the CLI, the compatibility KB and its JSON schema validation) does not
+    pull in rfc3987-syntax, which builds an Earley parser (lark) at import: jsonschema imports it whenever it
+    is installed, and it added 1.0 s to each command (pyproject.toml's note on cyclonedx-python-lib)."""
+    probe = ("import sys; import builder.cli, builder.compat, builder.attest.sbom; "
+             "print(sorted(m for m in ('lark', 'rfc3987_syntax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_runtime_never_imports_the_host():
     def host(module: str, _names) -> bool:
         return module.split(".")[0] == "builder" and not module.startswith("builder.runtime")
