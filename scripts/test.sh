@@ -18,23 +18,22 @@ CACHE_GIB="${MOPT_TEST_BUILD_CACHE_GIB:-20}"
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
 # The integration tier runs one module at a time in name order, in three phases, with a second lane beside
 # the second (the CPU idles half the time there: one pip, one compile, one server at a time):
-# - BEFORE (the modules named before BESIDE's first): test_faults restarts dockerd;
+# - BEFORE (the modules named before BESIDE's first) alone: test_faults restarts dockerd;
 # - BESIDE, while the modules of LANE (images no other module builds: CUDA from PyPI, torch-inductor) run
 #   in a state dir of their own (one mopt per state dir);
-# - AFTER (the rest: server timings, benches, prune), with the lane's end awaited.
-# Beside all three, from the first, at the lowest CPU weight (lowest(), below), the unit files of UNIT_BESIDE:
-# fuzzers, rule checks, CPU compiles, no bound on the clock but hang guards of 60 s and more around runs of
-# milliseconds to 70 s, and no use of dockerd (which test_faults restarts). They take only CPU that nothing
-# else wants: the fresh run of 74ac21e left phase 1 a quarter idle (its modules wait on Docker, the mutation
-# sample on its serial steps) and phase 3's last 6 min 40% idle, after these files had ended in it.
+# - AFTER (the rest: server timings, benches, prune), with the lane's end awaited; beside them, at the
+#   lowest CPU weight (lowest(), below), the unit files of UNIT_BESIDE: fuzzers, rule checks, CPU compiles,
+#   no bound on the clock but hang guards of 60 s and more around runs of milliseconds to 70 s.
 # Then the rest of the unit tier over the cores. Put a module in the lane only if nothing in it or beside it
-# waits on the clock.
+# waits on the clock. Not from the first phase: tried (771d235), the files beside phases 1 and 2 made them
+# 4.4 min slower on a fresh machine, though they had a quarter of phase 1's CPU idle (Docker's builds and
+# pushes wait on memory and disk, not only CPU).
 LANE=(tests/integration/test_cuda_from_pypi.py tests/integration/test_inductor_cpu.py)
 BESIDE=(test_hardened_image test_hub_model test_infra test_lock_repro)
 UNIT_BESIDE=(tests/unit/test_runtime_gpu_paths.py tests/unit/test_config_fuzz.py tests/unit/test_runtime_qwen3.py
              tests/unit/test_forward_compat.py tests/unit/test_bad_config_fuzz.py tests/unit/test_families.py
              tests/unit/test_conventions.py tests/unit/test_cli.py tests/unit/test_substitutes.py
-             tests/unit/test_render.py tests/unit/test_packed.py tests/unit/test_quantize.py
+             tests/unit/test_render.py tests/unit/test_doctor.py tests/unit/test_packed.py tests/unit/test_quantize.py
              tests/unit/test_fused_qk.py tests/unit/test_merged.py tests/unit/test_render_determinism.py
              tests/unit/test_backend_contract.py tests/unit/test_contract.py tests/unit/test_compat_rules.py
              tests/unit/test_attest_signing.py tests/unit/test_attest_contract.py tests/unit/test_backends_tensorrt.py
@@ -44,7 +43,8 @@ UNIT_BESIDE=(tests/unit/test_runtime_gpu_paths.py tests/unit/test_config_fuzz.py
 # tests/conftest.py, with --no-loadscope-reorder), so a run does not end on one of them alone. Measured
 # alone on this machine's 2 cores: the rest of the unit tier took 256 s in xdist's order on 2 processes,
 # 223 s in this order on 3, and 174 s once mopt's commands stopped importing rfc3987-syntax (pyproject.toml).
-export MOPT_TESTS_FIRST="tests/unit/test_modelcache.py tests/unit/test_runtime_minilm.py tests/unit/test_bench.py
+export MOPT_TESTS_FIRST="tests/unit/test_modelcache.py tests/unit/test_runtime_minilm.py tests/unit/test_modelcache_processes.py
+    tests/unit/test_bench.py
     tests/unit/test_kb_check.py tests/unit/test_server_http.py tests/unit/test_service_limits.py
     tests/unit/test_hub_source.py tests/unit/test_hostile_config.py tests/unit/test_statelock.py
     tests/unit/test_runtime_gpu_paths.py tests/unit/test_packed.py tests/unit/test_bad_config_fuzz.py
@@ -69,9 +69,10 @@ lowest() {  # COMMAND...: at the lowest CPU weight there is, so that it takes on
         "$SESSIONS" "$@"
 }
 background() {  # DIR COMMAND...: the command (pytest and its arguments) in the background, its output in
-    local dir="$1"  # DIR/log; sets BG_PID.
+    local dir="$1"  # DIR/log; sets BG_PID. It starts once the file AFTER_FILE (if set) exists.
     shift
     (
+        while [ -n "${AFTER_FILE:-}" ] && [ ! -e "$AFTER_FILE" ]; do sleep 5; done
         begun=$SECONDS status=0
         "$@" || status=$?
         echo "test.sh: this lane took $(( SECONDS - begun )) s"
@@ -93,15 +94,17 @@ rc=0
 # runs beside pytest, niced (CPU-bound, while the integration tier mostly waits on Docker), and prints
 # when pytest is done: together they took 46 min in a row on 2 cores.
 sample="${MOPT_MUTATION_SAMPLE:-300}"
-mutation_pid=""
+mutation_pid="" mutation_ended=""
 if [ "$#" -eq 0 ] && [ "$sample" != 0 ]; then
     seed=$((16#$(git rev-parse --short=7 HEAD 2>/dev/null || echo 0)))
     mutation_log="$(mktemp)"
     mutation_tmp="$(mktemp -d)"  # its pytest runs number their temp dirs apart from the main run's
+    mutation_ended="$mutation_tmp/ended"  # a file, not the pid: pids are reused (pid_max can be 32768)
     (
         status=0
         TMPDIR="$mutation_tmp" nice -n 10 .venv/bin/python scripts/mutation.py --fresh --sample "$sample" --seed "$seed" \
             > "$mutation_log" 2>&1 || status=$?
+        touch "$mutation_ended"
         exit "$status"
     ) &
     mutation_pid=$!
@@ -118,12 +121,6 @@ if [ "$#" -eq 0 ]; then
     for module in "${UNIT_BESIDE[@]}"; do unit_rest+=(--ignore "$module"); done
     workers=$(nproc 2>/dev/null || echo 2)
     workers=$(( workers > 4 ? 4 : workers < 1 ? 1 : workers ))
-    unit_dir="$(mktemp -d)"
-    # Over the cores: a group's weight is the group's, however many processes share it, so a second process
-    # takes nothing more from the modules beside it and uses more of the CPU they leave idle.
-    background "$unit_dir" lowest "${PYTEST[@]}" --durations=10 --basetemp "$unit_dir/tmp" \
-        -n "$workers" --dist loadfile --no-loadscope-reorder "${UNIT_BESIDE[@]}"
-    unit_pid=$BG_PID
     started=$SECONDS
     "${PYTEST[@]}" --durations=10 "${before[@]}" || rc=$?
     lane_dir="$(mktemp -d)"
@@ -132,6 +129,13 @@ if [ "$#" -eq 0 ]; then
     lane_pid=$BG_PID
     "${PYTEST[@]}" --durations=10 "${beside[@]}" || rc=$((rc ? rc : $?))
     await "$lane_pid" "$lane_dir" "beside ${BESIDE[*]}, the lane ran ${LANE[*]}" || rc=$((rc ? rc : $?))
+    unit_dir="$(mktemp -d)"
+    # Not beside the mutation sample, if it is still running: at the lowest weight, its group would starve them.
+    # Over the cores: a group's weight is the group's, however many processes share it, so a second process
+    # takes nothing more from the modules beside it and uses more of the CPU they leave idle.
+    AFTER_FILE="$mutation_ended" background "$unit_dir" lowest "${PYTEST[@]}" --durations=10 --basetemp "$unit_dir/tmp" \
+        -n "$workers" --dist loadfile --no-loadscope-reorder "${UNIT_BESIDE[@]}"
+    unit_pid=$BG_PID
     "${PYTEST[@]}" --durations=10 "${after[@]}" || rc=$((rc ? rc : $?))
     echo "test.sh: the integration tier took $(( SECONDS - started )) s"
     started=$SECONDS
@@ -139,7 +143,7 @@ if [ "$#" -eq 0 ]; then
     "${PYTEST[@]}" --durations=25 -n "$((workers + 1))" --dist loadfile --no-loadscope-reorder "${unit_rest[@]}" tests/unit \
         || rc=$((rc ? rc : $?))
     echo "test.sh: the rest of the unit tier took $(( SECONDS - started )) s on $((workers + 1)) processes"
-    await "$unit_pid" "$unit_dir" "beside the integration tier, at the lowest CPU weight, the unit files ${UNIT_BESIDE[*]}" \
+    await "$unit_pid" "$unit_dir" "beside the integration tier's last modules, at the lowest CPU weight, the unit files ${UNIT_BESIDE[*]}" \
         || rc=$((rc ? rc : $?))
 else
     "${PYTEST[@]}" --durations=25 "$@" tests || rc=$?

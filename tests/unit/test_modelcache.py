@@ -157,15 +157,6 @@ def test_a_read_only_cache_serves_what_it_holds_and_refuses_the_rest(tiny, fille
         modelcache.resolve_cached(source(tiny, cache, other))
 
 
-def test_two_processes_on_one_cache_compile_once(tiny, tmp_path):
-    cache = tmp_path / "shared"
-    procs = [warm(tiny, cache), warm(tiny, cache)]
-    results = [outcome_of(p) for p in procs]
-    assert sorted(r["outcome"] for r in results) == ["compiled", "hit"]
-    assert results[0]["engine_dir"] == results[1]["engine_dir"]
-    assert len([p for p in (cache / "engines").iterdir() if p.is_dir()]) == 1
-
-
 def test_a_failed_compile_leaves_no_entry_and_exits_with_its_code(tiny, tmp_path):
     model = tmp_path / "unknown-arch"
     shutil.copytree(tiny, model)
@@ -219,46 +210,6 @@ def test_engine_params_from_the_image_and_flags(tiny, tmp_path, monkeypatch, cap
     args = build_parser().parse_args(["warm", "--model-id", str(tiny), "--cache-dir", str(tmp_path)])
     with pytest.raises(UsageError, match="max_seq_len must be int"):
         _model_source(args)
-
-
-def compiling(model: Path) -> list[int]:
-    """Processes whose command line is a compile of MODEL (read from /proc: no procps needed)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"compile" in argv and str(model).encode() in argv:
-            found.append(int(cmdline.parent.name))
-    return found
-
-
-def test_a_server_stopped_during_its_first_compile_leaves_no_compile_running(tiny, tmp_path):
-    """SIGTERM while the first start compiles: the server exits 0 and its compile child dies with it
-    (PR_SET_PDEATHSIG); the next start sweeps the remains and compiles."""
-    import signal
-    import time
-
-    cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, "-m", "builder.runtime", "serve", "--model-id", str(tiny),
-                             "--cache-dir", str(cache), *FLAGS, "--host", "127.0.0.1", "--port", "0"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not list((cache / "engines").glob(".tmp-*/")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(2)
-        assert compiling(tiny), "the compile child was running"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0 and '"event": "stopped"' in out
-    time.sleep(1)
-    assert not compiling(tiny)
-    assert modelcache.resolve_cached(source(tiny, cache)).outcome == "compiled"
-    assert not list((cache / "engines").glob(".tmp-*"))
 
 
 def test_an_unreadable_model_is_one_usage_error(tiny, tmp_path, monkeypatch):
