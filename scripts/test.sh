@@ -139,10 +139,10 @@ if [ "$#" -eq 0 ]; then
     "${PYTEST[@]}" --durations=10 "${after[@]}" || rc=$((rc ? rc : $?))
     echo "test.sh: the integration tier took $(( SECONDS - started )) s"
     started=$SECONDS
-    # One process more than cores: test_bench, test_server_http and test_service_limits mostly wait on sockets.
-    "${PYTEST[@]}" --durations=25 -n "$((workers + 1))" --dist loadfile --no-loadscope-reorder "${unit_rest[@]}" tests/unit \
+    rest_workers=$((workers + 1))  # test_bench, test_server_http and test_service_limits mostly wait on sockets
+    "${PYTEST[@]}" --durations=25 -n "$rest_workers" --dist loadfile --no-loadscope-reorder "${unit_rest[@]}" tests/unit \
         || rc=$((rc ? rc : $?))
-    echo "test.sh: the rest of the unit tier took $(( SECONDS - started )) s on $((workers + 1)) processes"
+    echo "test.sh: the rest of the unit tier took $(( SECONDS - started )) s on $rest_workers processes"
     await "$unit_pid" "$unit_dir" "beside the integration tier's last modules, at the lowest CPU weight, the unit files ${UNIT_BESIDE[*]}" \
         || rc=$((rc ? rc : $?))
 else
