@@ -180,19 +180,30 @@ def test_first_start_compiles_a_second_loads_and_a_changed_model_compiles_again(
         (model_copy / "config.json").write_text(json.dumps(config, indent=2))
 
 
+@pytest.fixture(scope="module")
+def warmed(runtime_image, model_copy, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A cache filled by `mopt warm` (one compile, in the image), shared: the warm test starts from it and
+    the tampered-entry test from a copy of it."""
+    cache = tmp_path_factory.mktemp("warmed") / "cache"
+    result = mopt_cli("warm", runtime_image, "--model", str(model_copy), "--cache", str(cache), timeout=1200)
+    return cache, result
+
+
 @pytest.mark.timeout(1200)
-def test_a_tampered_cache_entry_is_refused_and_rebuilt(docker_cli, runtime_image, model_copy, volume, reference):
-    first, _ = run(docker_cli, runtime_image, model_copy, volume)
-    key = cache_event(first)["key"]
-    first.stop()
+def test_a_tampered_cache_entry_is_refused_and_rebuilt(docker_cli, runtime_image, model_copy, warmed, reference,
+                                                       tmp_path):
+    cache = tmp_path / "cache"
+    # A copy of the warmed cache, owners kept (the image's user writes the rebuilt entry).
+    subprocess.run(["cp", "-a", str(warmed[0]), str(cache)], check=True, capture_output=True, timeout=120)
+    (entry,) = [p for p in (cache / "engines").iterdir() if p.is_dir() and not p.name.startswith(".")]
     # What a corrupted volume or a hostile writer does: an engine file changes, engine.json does not.
-    in_volume(docker_cli, runtime_image, volume,
-              f"f=$(find /cache/engines/{key}/engine -name '*.so' -o -name '*.pt2' | head -1); "
-              f"test -n \"$f\" && printf 'x' >> \"$f\"")
-    second, _ = run(docker_cli, runtime_image, model_copy, volume)
+    (engine_file, *_) = sorted(f for f in (entry / "engine").rglob("*") if f.suffix in (".so", ".pt2"))
+    with engine_file.open("ab") as f:
+        f.write(b"x")
+    second, _ = run(docker_cli, runtime_image, model_copy, str(cache))
     try:
         event = cache_event(second)
-        assert event["outcome"] == "rebuilt" and event["key"] == key, event
+        assert event["outcome"] == "rebuilt" and event["key"] == entry.name, event
         assert "integrity" in event["reason"]
         check_embeddings(second, reference)
     finally:
@@ -224,9 +235,8 @@ def test_two_containers_on_one_volume_compile_once_and_both_serve(docker_cli, ru
 
 @pytest.mark.timeout(1200)
 def test_mopt_warm_fills_a_cache_that_containers_start_from(docker_cli, runtime_image, model_copy, reference,
-                                                           tmp_path):
-    cache = tmp_path / "warmed"
-    warmed = mopt_cli("warm", runtime_image, "--model", str(model_copy), "--cache", str(cache), timeout=1200)
+                                                           warmed, tmp_path):
+    cache, warmed = warmed
     assert warmed.returncode == 0, warmed.stdout[-2000:] + warmed.stderr[-2000:]
     assert warmed.stdout.strip().splitlines()[-1].startswith("compiled: ")
     container = ServedContainer(docker_cli.path, runtime_image, ("--model-id", "/model"), memory="2g",
