@@ -381,8 +381,13 @@ setup_venv() {
     rm -f "$STAMP"
     # This machine's pip.conf names index directories that may not exist; pip then warns once per
     # package ("Location ... is ignored"). Drop just that noise, keep every other message.
-    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".$EXTRAS") \
+    # --no-compile, then compileall over every core: pip byte-compiles on one (a fresh test venv: 90 s in
+    # all with pip's compile, 53 + 26 s this way on 2 cores).
+    (cd "$REPO" && "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check -e ".$EXTRAS") \
         2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2 || true)
+    # -qq: a few packages ship files of another Python's syntax (templates, test data), as pip's compile skips them.
+    "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+        >/dev/null 2>&1 || true
     echo "$key $EXTRAS" >"$STAMP"
     say "venv: installed"
 }

@@ -38,11 +38,14 @@ UNIT_BESIDE=(tests/unit/test_runtime_gpu_paths.py tests/unit/test_config_fuzz.py
              tests/unit/test_backend_contract.py tests/unit/test_contract.py tests/unit/test_compat_rules.py
              tests/unit/test_attest_signing.py tests/unit/test_attest_contract.py tests/unit/test_backends_tensorrt.py
              tests/unit/test_gpu_problem.py tests/unit/test_matrix_rules.py tests/unit/test_sbom_cyclonedx.py
-             tests/unit/test_plan_rules.py tests/unit/test_workflows.py)
+             tests/unit/test_plan_rules.py tests/unit/test_workflows.py tests/unit/test_modelcache.py)
 # The unit tier's longest files, longest first: pytest-xdist starts them first (MOPT_TESTS_FIRST, read by
 # tests/conftest.py, with --no-loadscope-reorder), so a run does not end on one of them alone. Measured
 # alone on this machine's 2 cores: the rest of the unit tier took 256 s in xdist's order on 2 processes,
 # 223 s in this order on 3, and 174 s once mopt's commands stopped importing rfc3987-syntax (pyproject.toml).
+# test_modelcache (CPU compiles, guards of 300 s and more) went to UNIT_BESIDE: the fresh run of 60bf9e1 had
+# phase 3's last 6 min 30% idle after UNIT_BESIDE ended, then the rest of the unit tier CPU-bound for 191 s.
+# test_modelcache_processes and test_runtime_minilm stay here: they time a stop (60 s) and 100 sockets (2 s).
 export MOPT_TESTS_FIRST="tests/unit/test_modelcache.py tests/unit/test_runtime_minilm.py tests/unit/test_modelcache_processes.py
     tests/unit/test_bench.py
     tests/unit/test_kb_check.py tests/unit/test_server_http.py tests/unit/test_service_limits.py
