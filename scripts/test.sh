@@ -46,6 +46,9 @@ UNIT_BESIDE=(tests/unit/test_runtime_gpu_paths.py tests/unit/test_config_fuzz.py
 # test_modelcache (CPU compiles, guards of 300 s and more) went to UNIT_BESIDE: the fresh run of 60bf9e1 had
 # phase 3's last 6 min 30% idle after UNIT_BESIDE ended, then the rest of the unit tier CPU-bound for 191 s.
 # test_modelcache_processes and test_runtime_minilm stay here: they time a stop (60 s) and 100 sockets (2 s).
+# Measured fresh (f0b8c88 against 60bf9e1): the rest 37 s shorter, phase 3 51 s longer though test_model_runtime
+# had lost a compile (-38 s): at the lowest weight, CPU work beside phase 3 still costs it time. It stays, as
+# libyaml (builder/yamlio.py) took about 100 CPU-s from the fuzz files beside it.
 export MOPT_TESTS_FIRST="tests/unit/test_modelcache.py tests/unit/test_runtime_minilm.py tests/unit/test_modelcache_processes.py
     tests/unit/test_bench.py
     tests/unit/test_kb_check.py tests/unit/test_server_http.py tests/unit/test_service_limits.py

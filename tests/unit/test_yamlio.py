@@ -179,3 +179,41 @@ def test_closed_object_without_properties_names_the_key(monkeypatch):
     with pytest.raises(ConfigError) as exc:
         validate(doc, "anything")
     assert exc.value.message == "o.yaml:3: opts.a: unknown key 'a', 'b'"
+
+
+def test_yaml_is_parsed_by_libyaml_where_pyyaml_has_it():
+    """The fast path: every mopt command loads matrix.yaml and its recipes (24 ms with libyaml, 155 ms with the
+    pure-Python parser). PyYAML's wheels for this platform carry libyaml."""
+    import yaml
+
+    assert yaml.__with_libyaml__
+    assert yamlio._LOADER is yaml.CSafeLoader
+
+
+# The undefined alias above is one too: libyaml says "found undefined alias", without the name.
+@pytest.mark.parametrize(("text", "message"), [
+    # libyaml: its own "exceeded maximum nesting depth" past 1,000 flow levels, before ours
+    ("a: " + "[" * 1200 + "]" * 1200 + "\n", f"f.yaml:1: nests deeper than {yamlio.MAX_DEPTH} levels"),
+    # between the two limits libyaml parses, and the event stream's own count refuses it
+    ("a: " + "[" * 80 + "]" * 80 + "\n", f"f.yaml:1: nests deeper than {yamlio.MAX_DEPTH} levels"),
+])
+def test_what_libyaml_refuses_is_worded_by_the_pure_python_parser(text, message):
+    assert error_of(text) == message
+
+
+def test_the_deepest_nesting_allowed_loads_and_one_more_level_is_refused():
+    deepest = "a: " + "[" * (yamlio.MAX_DEPTH - 1) + "]" * (yamlio.MAX_DEPTH - 1) + "\n"  # the top mapping counts
+    value = parse_yaml(deepest, "f.yaml").data["a"]
+    for _ in range(yamlio.MAX_DEPTH - 2):
+        (value,) = value
+    assert value == []
+    assert error_of("a: " + "[" * yamlio.MAX_DEPTH + "]" * yamlio.MAX_DEPTH + "\n") == \
+        f"f.yaml:1: nests deeper than {yamlio.MAX_DEPTH} levels"
+
+
+@pytest.mark.parametrize(("text", "value"), [("", None), ("# only a comment\n", None),
+                                             ("a: [1, x]\n", {"a": [1, "x"]})])
+def test_safe_load_bounded_gives_what_safe_load_gives(text, value):
+    import yaml
+
+    assert yamlio.safe_load_bounded(text, "f.yaml") == value == yaml.safe_load(text)
