@@ -188,7 +188,9 @@ def test_the_server_batches_a_packed_engine_by_its_token_budget(packed_engine):
 
     out, _ = packed_engine
     engine = EngineProcess(out).start()
-    service = EmbeddingService(engine, ServerLimits(max_batch=8, max_wait_ms=20))
+    # A stall deadline far past 5 s: scripts/test.sh runs this file beside the integration tier at the lowest
+    # CPU weight, where the worker went 5 s without CPU once (a fresh run of 001efcf: exit 71, a 503).
+    service = EmbeddingService(engine, ServerLimits(max_batch=8, max_wait_ms=20, engine_stall_s=300))
     assert service.max_batch_tokens == 96
     larger = EmbeddingService(engine, ServerLimits(max_batch_tokens=10_000))
     larger.batcher.close()  # not larger.close(): that closes the shared engine too
