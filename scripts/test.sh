@@ -7,6 +7,21 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 bash scripts/setup.sh test
 export TESTCONTAINERS_RYUK_DISABLED=true
+# Every temp file of the run in one dir, removed at its end (finish, below). Torch keeps Inductor's precompiled
+# headers (140-160 MB each, one per compiler command line, so new for each checkout's path) in
+# $TMPDIR/torchinductor_$USER whatever TORCHINDUCTOR_CACHE_DIR says: a day of runs left 11 GiB in /tmp, and a
+# CI run's builds then found 3.3 GiB free for Docker, under the 4 GiB they need (stop 54).
+RUN_TMP="$(mktemp -d "${TMPDIR:-/tmp}/mopt-test.XXXXXX")"
+export TMPDIR="$RUN_TMP"
+SESSIONS="$RUN_TMP/sessions"  # the sessions lowest() started, ended with test.sh
+finish() {
+    local sid
+    if [ -f "$SESSIONS" ]; then
+        while read -r sid; do kill -- "-$sid" 2>/dev/null || true; done < "$SESSIONS"  # its process group
+    fi
+    rm -rf "$RUN_TMP"
+}
+trap finish EXIT
 # CI has the machine to itself: the fault test that restarts dockerd (stopping every container) may run.
 if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 # Builds leave stage images behind whenever an input changes (GBs each): before the run, drop mopt's
@@ -15,6 +30,15 @@ if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 CACHE_GIB="${MOPT_TEST_BUILD_CACHE_GIB:-20}"
 .venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib "$CACHE_GIB" | tail -n 3 \
     || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
+# A run from an empty cache fills about MIN_FREE GiB: where less is free, the cache goes (the run is then
+# slower, rebuilding what it held, but not red for want of disk).
+MIN_FREE="${MOPT_TEST_MIN_FREE_GIB:-16}"
+docker_free() { df -BG --output=avail "$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)" | tail -n 1 | tr -dc 0-9; }
+free="$(docker_free || echo 0)"
+if [ "${free:-0}" -lt "$MIN_FREE" ]; then
+    echo "test.sh: only ${free:-0} GiB free for Docker, under the $MIN_FREE GiB a run needs: emptying BuildKit's cache" >&2
+    .venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib 0 | tail -n 1 || true
+fi
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
 # The integration tier runs one module at a time in name order, in three phases, with a second lane beside
 # the second (the CPU idles half the time there: one pip, one compile, one server at a time):
@@ -56,15 +80,6 @@ export MOPT_TESTS_FIRST="tests/unit/test_modelcache.py tests/unit/test_runtime_m
     tests/unit/test_runtime_gpu_paths.py tests/unit/test_packed.py tests/unit/test_bad_config_fuzz.py
     tests/unit/test_quantize.py tests/unit/test_runtime_qwen3.py tests/unit/test_config_fuzz.py
     tests/unit/test_families.py"
-SESSIONS="$(mktemp)"  # the sessions lowest() started, ended with test.sh
-end_sessions() {
-    local sid
-    if [ -f "$SESSIONS" ]; then
-        while read -r sid; do kill -- "-$sid" 2>/dev/null || true; done < "$SESSIONS"  # its process group
-    fi
-    rm -f "$SESSIONS"
-}
-trap end_sessions EXIT
 lowest() {  # COMMAND...: at the lowest CPU weight there is, so that it takes only CPU nobody else wants.
     # `nice` alone ranks a process only within its scheduling group: with autogroups on (the default of
     # Debian's kernels), one per session, and test.sh's group competes with the containers' cgroup as an

@@ -117,6 +117,29 @@ def test_artifact_path_builds_no_module_and_imports_no_transformers(artifact_eng
     assert all(p.resolve().is_relative_to((out / "engine").resolve()) for p in kernels)
 
 
+@pytest.mark.timeout(120)
+def test_the_loaders_own_cache_dir_is_removed_at_exit(tmp_path):
+    """Without MOPT_COMPILE_CACHE_DIR the loader makes a temp dir for its writable cache: gone when the
+    process ends (each test run left 9 MB a load in /tmp). One given by the caller is the caller's: kept."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "tmp").mkdir()
+    code = ("import sys; from pathlib import Path; from builder.runtime.backends.torch_inductor import runtime_cache_dir; "
+            "d = runtime_cache_dir(Path(sys.argv[1])); (d / 'kernel.so').write_bytes(b'x'); print(d)")
+    env = {k: v for k, v in os.environ.items() if k != "MOPT_COMPILE_CACHE_DIR"}
+    runs = {}
+    for name, extra in (("own", {}), ("given", {"MOPT_COMPILE_CACHE_DIR": str(tmp_path / "given")})):
+        res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "engine")], cwd=REPO, capture_output=True,
+                             text=True, timeout=100, env={**env, "TMPDIR": str(tmp_path / "tmp"), **extra})
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[name] = Path(res.stdout.strip().splitlines()[-1])
+    assert runs["own"].is_relative_to(tmp_path / "tmp") and not runs["own"].parent.exists()
+    assert not list((tmp_path / "tmp").glob("mopt-inductor-*"))
+    assert runs["given"] == tmp_path / "given" / "cache" and (runs["given"] / "kernel.so").is_file()
+
+
 def test_artifact_from_another_torch_falls_back_to_jit(artifact_engine, tmp_path, monkeypatch):
     import shutil
 
