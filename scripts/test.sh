@@ -30,14 +30,14 @@ if [ "${CI:-}" = "true" ]; then export MOPT_ALLOW_DOCKERD_RESTART=1; fi
 CACHE_GIB="${MOPT_TEST_BUILD_CACHE_GIB:-20}"
 .venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib "$CACHE_GIB" | tail -n 3 \
     || echo "test.sh: mopt prune failed (see above); running the tests anyway" >&2
-# A run from an empty cache fills about MIN_FREE GiB: where less is free, the cache goes (the run is then
-# slower, rebuilding what it held, but not red for want of disk).
-MIN_FREE="${MOPT_TEST_MIN_FREE_GIB:-16}"
+# Measured fresh (3cf90be, Docker's data root empty): the run's disk use peaked 41 GiB above where it began
+# (Docker's about 30, this run's temp dir 7-8, the clone and its venv 4). With less free, say so up front:
+# emptying the cache would not help, as a run from an empty one needs the most.
 docker_free() { df -BG --output=avail "$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)" | tail -n 1 | tr -dc 0-9; }
-free="$(docker_free || echo 0)"
-if [ "${free:-0}" -lt "$MIN_FREE" ]; then
-    echo "test.sh: only ${free:-0} GiB free for Docker, under the $MIN_FREE GiB a run needs: emptying BuildKit's cache" >&2
-    .venv/bin/python -m builder prune --state-dir .mopt/test-state --keep-state .mopt --build-cache-gib 0 | tail -n 1 || true
+free="$(docker_free || true)"
+if [ "${free:-0}" -lt 40 ]; then
+    echo "test.sh: warning: ${free:-0} GiB free for Docker; a run from an empty build cache takes up to 41 GiB" \
+         "(less with this machine's cache): builds may be refused for want of disk" >&2
 fi
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
 # The integration tier runs one module at a time in name order, in three phases, with a second lane beside

@@ -126,7 +126,8 @@ def test_the_loaders_own_cache_dir_is_removed_at_exit(tmp_path):
     import sys
 
     (tmp_path / "tmp").mkdir()
-    code = ("import sys; from pathlib import Path; from builder.runtime.backends.torch_inductor import runtime_cache_dir; "
+    code = ("import sys; from pathlib import Path; "
+            "from builder.runtime.backends.torch_inductor import runtime_cache_dir; "
             "d = runtime_cache_dir(Path(sys.argv[1])); (d / 'kernel.so').write_bytes(b'x'); print(d)")
     env = {k: v for k, v in os.environ.items() if k != "MOPT_COMPILE_CACHE_DIR"}
     runs = {}
