@@ -33,9 +33,8 @@ CACHE_GIB="${MOPT_TEST_BUILD_CACHE_GIB:-20}"
 # Measured in two fresh runs (3cf90be, d2a4d57; Docker's data root empty): the disk in use peaked 38-40 GiB above
 # where it was before the clone (Docker's about 30, this run's temp dir 7-8, the clone and its venv about 4).
 # With less free than test.sh's share of that, say so up front: emptying the cache would not help, as a run
-# from an empty one needs the most.
-docker_free() { df -BG --output=avail "$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)" | tail -n 1 | tr -dc 0-9; }
-free="$(docker_free || true)"
+# from an empty one needs the most. Free space as the builds' own check measures it (builder/dockerclient.py).
+free="$(.venv/bin/python -c 'from builder.dockerclient import docker_free_gib; print(int(docker_free_gib()))' || true)"
 if [ "${free:-0}" -lt 36 ]; then
     echo "test.sh: warning: ${free:-0} GiB free for Docker; a run from an empty build cache takes up to 36 GiB" \
          "(less with this machine's cache): builds may be refused for want of disk" >&2

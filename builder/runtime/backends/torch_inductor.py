@@ -33,7 +33,6 @@ every file; engine_sha256 is that of compile_cache.json, which lists them too.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from pathlib import Path
 import torch
 import torch._inductor
 
-from ..cachemirror import writable_mirror
+from ..cachemirror import temp_dir_until_exit, writable_mirror
 from ..errors import UsageError
 from ..params import EngineParams
 from ..pooling import EmbeddingModule, attention_implementation
@@ -340,10 +339,7 @@ def prepare(device: str) -> None:
 def runtime_cache_dir(engine_dir: Path) -> Path:
     """Inductor's cache dir for a load: a writable mirror of the shipped cache (links to its files,
     cachemirror.py), so kernels load from the engine dir and nothing executable is written at start."""
-    base = os.environ.get(ENV_RUNTIME_CACHE)
-    if not base:  # one of our own: gone at exit (tests and host runs left 9 MB a load in /tmp)
-        base = tempfile.mkdtemp(prefix="mopt-inductor-")
-        atexit.register(shutil.rmtree, base, ignore_errors=True)
+    base = os.environ.get(ENV_RUNTIME_CACHE) or temp_dir_until_exit("mopt-inductor-")  # a caller's dir is kept
     dest = Path(base) / "cache"
     shutil.rmtree(dest, ignore_errors=True)
     if (engine_dir / CACHE_SUBDIR).is_dir():
