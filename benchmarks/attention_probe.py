@@ -1,6 +1,6 @@
 """Attention kernels alone, at the shapes a packed or padded engine call runs them, side by side.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/attention_probe.py --out $OUT [--family qwen3|bert]
+    PYTHONUNBUFFERED=1 python3 benchmarks/attention_probe.py --out $OUT [--family qwen3|bert] [--sweep]
 
 Why: the packed Qwen3-0.6B engine ran 0.95x the padded one at a full 64 x 512 batch (issue 17), the
 rest of the graph being the same matmuls on the same tokens. This times one layer's attention in
@@ -8,7 +8,9 @@ each form the engines could use, in milliseconds per call (median of timed round
   padded/flash, padded/cudnn, padded/efficient   SDPA on [batch, heads, seq, dim], one backend each
   varlen/flash     aten._flash_attention_forward on the packed stream (what packed engines call)
   varlen/cudnn     aten._cudnn_attention_forward on the packed stream, where this torch has it
-for the full batch and for log-normal lengths (median 58, 8..SEQ), and checks each packed form
+  varlen/triton    mopt's Triton kernel (builder/runtime/varlen_attention.py) on the packed stream;
+                   with --sweep, also launched at each tile size of SWEEP (the shipped ones are its CONFIGS)
+for the full batch, log-normal lengths (median 58, 8..SEQ), 16 x 128 and 1 x 32, and checks each packed form
 against per-sequence SDPA (max abs error). With --switch, also exports one layer's attention that
 picks cuDNN's dense kernel for a uniform batch and flash varlen otherwise (torch.cond), compiles it
 with AOTInductor and times it the same way. Writes attention_probe_FAMILY.json.
@@ -25,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from builder.runtime import varlen_attention
 
 SHAPES = {"qwen3": dict(heads=16, kv_heads=8, dim=128, causal=True),
           "bert": dict(heads=12, kv_heads=12, dim=64, causal=False)}
@@ -59,7 +63,7 @@ def reference(q, k, v, lengths, causal):
     return torch.cat(outs)
 
 
-def case(lengths: list[int], shape: dict, dtype) -> dict:
+def case(lengths: list[int], shape: dict, dtype, sweep: bool = False) -> dict:
     h, hk, d, causal = shape["heads"], shape["kv_heads"], shape["dim"], shape["causal"]
     total, longest, b = sum(lengths), max(lengths), len(lengths)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -119,7 +123,45 @@ def case(lengths: list[int], shape: dict, dtype) -> dict:
             res["varlen/cudnn"] = f"unavailable: {str(exc).splitlines()[0][:160]}"
     else:
         res["varlen/cudnn"] = "unavailable: no aten._cudnn_attention_forward"
+
+    # mopt's Triton kernel (builder/runtime/varlen_attention.py) through its op, with the shipped tiles
+    ml = torch.empty(longest, device="cuda", dtype=torch.int8)
+
+    def triton_op():
+        return varlen_attention.op()(q, k, v, cu, ml, causal, d ** -0.5)
+    res["varlen/triton"] = timed(triton_op)
+    res["varlen/triton max_err"] = float((triton_op().float() - ref).abs().max())
+    if sweep:
+        res["varlen/triton sweep"] = sweep_tiles(q, k, v, cu, longest, causal, ref)
     return res
+
+
+SWEEP = [(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) if n <= m for w in (4, 8) for s in (2, 3, 4)]
+
+
+def sweep_tiles(q, k, v, cu, longest, causal, ref) -> dict:
+    """The kernel launched directly with each (BLOCK_M, BLOCK_N, warps, stages): ms per call, or why not."""
+    from builder.runtime.varlen_attention_kernel import varlen_attention_kernel as kernel
+    out, d = torch.empty_like(q), q.shape[-1]
+    found = {}
+    for m, n, w, s in SWEEP:
+        grid = ((longest + m - 1) // m, q.shape[1], cu.shape[0] - 1)
+
+        def run(m=m, n=n, w=w, s=s, grid=grid):
+            kernel[grid](q, k, v, out, cu, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                         v.stride(1), out.stride(0), out.stride(1), q.shape[1] // k.shape[1],
+                         d ** -0.5 * 1.4426950408889634, CAUSAL=causal, HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n,
+                         num_warps=w, num_stages=s)
+            return out
+        name = f"{m}x{n} w{w} s{s}"
+        try:
+            err = float((run().float() - ref).abs().max())
+            found[name] = timed(run) if err < 0.05 else f"wrong: max_err {err}"
+        except Exception as exc:  # a probe: out of shared memory and the like
+            found[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    timings = {name: ms for name, ms in found.items() if isinstance(ms, float)}
+    found["best"] = min(timings, key=timings.get) if timings else None
+    return found
 
 
 class _Switch(torch.nn.Module):
@@ -215,10 +257,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--switch", action="store_true", help="also export and compile the torch.cond switch")
     p.add_argument("--work", default="/tmp/mopt-attention-probe")
+    p.add_argument("--sweep", action="store_true", help="time the Triton kernel at every tile size of SWEEP")
     a = p.parse_args(argv)
     shape, rng = SHAPES[a.family], random.Random(0)
-    runs = {"fixed": case([a.seq] * a.batch, shape, torch.bfloat16),
-            "lognormal": case(lognormal(a.seq, a.batch, rng), shape, torch.bfloat16)}
+    runs = {"fixed": case([a.seq] * a.batch, shape, torch.bfloat16, a.sweep),
+            "lognormal": case(lognormal(a.seq, a.batch, rng), shape, torch.bfloat16, a.sweep),
+            "16x128": case([128] * 16, shape, torch.bfloat16, a.sweep),
+            "1x32": case([32], shape, torch.bfloat16)}
     report = {"family": a.family, "shape": shape, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(), "units": "ms per call (one layer)", "runs": runs}
     if a.switch:

@@ -20,14 +20,16 @@
 # are timed one at a time in one process, CUDA graphs on (batch 1 x 32 is replayed from a graph).
 # Environment: FORMS (packed_bench's --forms), MINILM_PRECISIONS (empty: no MiniLM; `fp8:static` compiles
 # with MOPT_FP8_SCALES=static), LAYERS (default 28), ROUNDS (default 3), PROFILE=0 (no kernel profile),
-# QWEN_TIMEOUT (s), PROBE=1 (fp8_static_probe.py on CUDA beside the compiles: why static fp8 scales lose
+# QWEN_TIMEOUT (s), ATTN_PROBE=1 (attention_probe.py --sweep first, alone: packed attention's kernels and
+# the Triton kernel's tile sizes, varlen_attention.py), PROBE=1 (fp8_static_probe.py on CUDA beside the compiles: why static fp8 scales lose
 # accuracy under Inductor on the GPU).
 set -u
 work=/tmp/kernels-out
 
 collect() {  # what the detached run has written so far, to $OUT (at most 8 files come back)
     local out="${OUT:?}"
-    for f in "$work"/qwen3.log "$work"/packed_bench_*.json "$work"/fp8_static_probe.json "$work/done"; do  # packed_bench_<family>.json
+    for f in "$work"/qwen3.log "$work"/packed_bench_*.json "$work"/fp8_static_probe.json "$work"/attention_probe_*.json \
+        "$work/done"; do  # packed_bench_<family>.json
         [ -f "$f" ] && cp "$f" "$out/"
     done
     tar czf "$out/kernels-out.tgz" -C /tmp kernels-out 2>/dev/null
@@ -71,6 +73,9 @@ for entry in ${MINILM_PRECISIONS-bf16 fp8}; do
         --input packed --max-batch 64 > "$OUT/$name.out" 2> "$OUT/$name.err"
      cp "/tmp/$name/engine.json" "$OUT/$name.engine.json" 2>/dev/null) &
 done
+if [ "${ATTN_PROBE:-0}" = 1 ]; then  # first, alone on the GPU: attention kernels at every tile size
+    python3 benchmarks/attention_probe.py --sweep --out "$OUT" > "$OUT/attention_probe.log" 2>&1
+fi
 if [ "${PROBE:-0}" = 1 ]; then
     python3 benchmarks/fp8_static_probe.py --model .carry/minilm-fp16 --devices cuda --out "$OUT" \
         > "$OUT/probe.log" 2>&1 &

@@ -7,8 +7,9 @@ A form is an input form (padded, packed) with options after colons: `packed:unfu
 MOPT_FUSED_QK=0 (transformers' q/k norm and rotation instead of the fused kernel, fused_qk.py),
 `packed:unmerged` with MOPT_MERGED_PROJ=0 (q/k/v and gate/up as separate layers; merged, the default since
 2026-12-06, each group is one layer, merged.py; `packed:merged` says so explicitly), `:static` with
-MOPT_FP8_SCALES=static (fp8 inputs scaled by calibrated ranges, quantize.py), and a precision
-(`packed:fp8`) overrides --precision for that engine. The engines compile in parallel, one
+MOPT_FP8_SCALES=static (fp8 inputs scaled by calibrated ranges, quantize.py), `:triton` / `:flash` with
+MOPT_VARLEN_KERNEL (packed attention's kernel: mopt's Triton kernel or aten's flash, varlen_attention.py),
+and a precision (`packed:fp8`) overrides --precision for that engine. The engines compile in parallel, one
 process each (the compile is mostly CPU work; the machine's cores are many).
 
 Builds a random-weight model of the family's shape (qwen3: Qwen3-Embedding-0.6B, a causal decoder with
@@ -104,7 +105,8 @@ def make_model(dest: Path, family: str, layers: int) -> Path:
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "int8")
 SWITCHES = {"unfused": ("MOPT_FUSED_QK", "0"), "merged": ("MOPT_MERGED_PROJ", "1"),  # form option -> variable
             "unmerged": ("MOPT_MERGED_PROJ", "0"),
-            "static": ("MOPT_FP8_SCALES", "static")}
+            "static": ("MOPT_FP8_SCALES", "static"),
+            "flash": ("MOPT_VARLEN_KERNEL", "flash"), "triton": ("MOPT_VARLEN_KERNEL", "triton")}
 
 
 def form_options(form: str, a) -> tuple[str, str, dict]:

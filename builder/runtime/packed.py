@@ -45,7 +45,14 @@ def gathers_attention(device: str, precision: str) -> bool:
 
 def attention_plan(device: str, precision: str, dense: bool) -> dict[str, str]:
     """What attention a packed engine runs, per kind of call (recorded in engine.json)."""
-    mixed = "gathered sdpa (masked block)" if gathers_attention(device, precision) else "flash varlen"
+    from . import varlen_attention
+
+    if gathers_attention(device, precision):
+        mixed = "gathered sdpa (masked block)"
+    elif varlen_attention.kernel_name() == "triton":
+        mixed = "triton varlen (flash varlen for windowed layers)"
+    else:
+        mixed = "flash varlen"
     return {"mixed": mixed, "uniform": "dense sdpa" if dense else mixed}
 
 
@@ -154,6 +161,12 @@ def _dense_attention(q, k, v, rows, *_, causal: bool, scaling, reach: int | None
 
 
 def _flash_attention(q, k, v, rows, cu_seqlens, max_len, *, causal: bool, scaling, reach: int | None = None):
+    from . import varlen_attention
+
+    if varlen_attention.kernel_name() == "triton" and varlen_attention.fits(q, reach):
+        scale = q.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        out = varlen_attention.op()(q, k, v, cu_seqlens, max_len, causal, scale)
+        return out.view(*rows.shape, *out.shape[1:])
     longest = max_len.shape[0]
     window = {} if reach is None else {"window_size_left": reach, "window_size_right": 0 if causal else reach}
     out = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, causal,

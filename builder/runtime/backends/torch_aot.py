@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .. import varlen_attention
 from ..errors import UsageError
 from ..fused_qk import fuse_qk_norm_rope
 from ..fused_qk import wanted as fused_wanted
@@ -116,6 +117,7 @@ def prepare_body(module, params: EngineParams, calibration) -> dict:
     or, with MOPT_FP8_SCALES=static, by CALIBRATION()'s ranges (quantize.py)."""
     recorded = {}
     if params.packed and params.device == "cuda":
+        varlen_attention.kernel_name()  # a bad MOPT_VARLEN_KERNEL: a usage error now, not deep in the export
         fused = fuse_qk_norm_rope(module.body) if fused_wanted() else 0
         if fused:
             recorded["fused"] = {"qk_norm_rope": fused}
