@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -153,7 +154,7 @@ def sweep_tiles(q, k, v, cu, longest, causal, ref) -> dict:
                          d ** -0.5 * 1.4426950408889634, CAUSAL=causal, HEAD_DIM=d, BLOCK_M=m, BLOCK_N=n,
                          num_warps=w, num_stages=s)
             return out
-        name = f"{m}x{n} w{w} s{s}"
+        name = SWEEP_NAMES[SWEEP.index((m, n, w, s))]
         try:
             err = float((run().float() - ref).abs().max())
             found[name] = timed(run) if err < 0.05 else f"wrong: max_err {err}"
@@ -249,7 +250,22 @@ def exported_switch(shape: dict, work: Path) -> dict:
     return out
 
 
+def best_tiles(report: dict) -> str:
+    """The sweep's tiles with the least fixed + log-normal time, as MOPT_VARLEN_TILES takes them."""
+    sweeps = [report["runs"][case]["varlen/triton sweep"] for case in ("fixed", "lognormal")]
+    both = [name for name in SWEEP_NAMES if all(isinstance(s.get(name), float) for s in sweeps)]
+    name = min(both, key=lambda n: sum(s[n] for s in sweeps))
+    m_n, w, s = name.split()
+    return ",".join([*m_n.split("x"), w[1:], s[1:]])
+
+
+SWEEP_NAMES = [f"{m}x{n} w{w} s{s}" for m, n, w, s in SWEEP]
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--best":  # kernels_gpu.sh TUNED=1
+        print(best_tiles(json.loads(Path(sys.argv[2]).read_text())))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--family", choices=sorted(SHAPES), default="qwen3")

@@ -21,7 +21,8 @@
 # Environment: FORMS (packed_bench's --forms), MINILM_PRECISIONS (empty: no MiniLM; `fp8:static` compiles
 # with MOPT_FP8_SCALES=static), LAYERS (default 28), ROUNDS (default 3), PROFILE=0 (no kernel profile),
 # QWEN_TIMEOUT (s), ATTN_PROBE=1 (attention_probe.py --sweep first, alone: packed attention's kernels and
-# the Triton kernel's tile sizes, varlen_attention.py), PROBE=1 (fp8_static_probe.py on CUDA beside the compiles: why static fp8 scales lose
+# the Triton kernel's tile sizes, varlen_attention.py; with TUNED=1 the engines compile with its best tiles,
+# MOPT_VARLEN_TILES), PROBE=1 (fp8_static_probe.py on CUDA beside the compiles: why static fp8 scales lose
 # accuracy under Inductor on the GPU).
 set -u
 work=/tmp/kernels-out
@@ -75,6 +76,11 @@ for entry in ${MINILM_PRECISIONS-bf16 fp8}; do
 done
 if [ "${ATTN_PROBE:-0}" = 1 ]; then  # first, alone on the GPU: attention kernels at every tile size
     python3 benchmarks/attention_probe.py --sweep --out "$OUT" > "$OUT/attention_probe.log" 2>&1
+    if [ "${TUNED:-0}" = 1 ]; then  # the engines below take the sweep's best tiles (fixed + log-normal ms)
+        MOPT_VARLEN_TILES=$(python3 benchmarks/attention_probe.py --best "$OUT/attention_probe_qwen3.json")
+        export MOPT_VARLEN_TILES
+        echo "MOPT_VARLEN_TILES=$MOPT_VARLEN_TILES" >> "$OUT/attention_probe.log"
+    fi
 fi
 if [ "${PROBE:-0}" = 1 ]; then
     python3 benchmarks/fp8_static_probe.py --model .carry/minilm-fp16 --devices cuda --out "$OUT" \

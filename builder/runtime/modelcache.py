@@ -48,7 +48,8 @@ UNKEYED_PARAMS = ("model_dir", "model_name")
 # an entry compiled under one setting is not served under another. MOPT_TRT_TIMING_CACHE is not keyed: it
 # names where TensorRT keeps its timing cache, not what the engine is.
 KEYED_SWITCHES = ("MOPT_FP8_SCALES", "MOPT_FUSED_QK", "MOPT_INDUCTOR_ARTIFACT", "MOPT_INDUCTOR_OPTIONS",
-                  "MOPT_MERGED_PROJ", "MOPT_SDPA_BACKENDS", "MOPT_TUNE_SHAPE", "MOPT_VARLEN_KERNEL")
+                  "MOPT_MERGED_PROJ", "MOPT_SDPA_BACKENDS", "MOPT_TUNE_SHAPE", "MOPT_VARLEN_KERNEL",
+                  "MOPT_VARLEN_TILES")
 UNKEYED_SWITCHES = ("MOPT_TRT_TIMING_CACHE",)
 AHEAD_ENTRIES = 2  # entries hashed while torch imports (bounded: each may be gigabytes)
 AHEAD_SWITCH_S = 0.0005  # the GIL's switch interval meanwhile (Python's default is 5 ms)

@@ -25,6 +25,7 @@ import os
 import torch
 
 ENV = "MOPT_VARLEN_KERNEL"
+TILES_ENV = "MOPT_VARLEN_TILES"
 OP = "mopt::varlen_attention"
 KERNELS = ("triton", "flash")
 DEFAULT = "flash"
@@ -34,12 +35,32 @@ DEFAULT = "flash"
 CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
 
 
+def tiles(dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for HEAD_DIM: CONFIGS's, or MOPT_VARLEN_TILES's (four integers,
+    comma-separated: another GPU's best, from benchmarks/attention_probe.py --sweep)."""
+    value = os.environ.get(TILES_ENV)
+    if not value:
+        return CONFIGS[dim]
+    try:
+        block_m, block_n, warps, stages = (int(x) for x in value.split(","))
+    except ValueError:
+        block_m = 0
+    if not (block_m >= 16 and 16 <= block_n <= block_m and block_m % block_n == 0 and warps in (1, 2, 4, 8, 16)
+            and 1 <= stages <= 8 and block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0):
+        from .errors import UsageError
+        raise UsageError(f"{TILES_ENV}={value!r}: expected BLOCK_M,BLOCK_N,WARPS,STAGES, powers of two with "
+                         "BLOCK_N <= BLOCK_M (e.g. 128,64,8,3)")
+    return block_m, block_n, warps, stages
+
+
 def kernel_name() -> str:
     """Which variable-length kernel packed CUDA engines compile with (MOPT_VARLEN_KERNEL)."""
     name = os.environ.get(ENV, DEFAULT)
     if name not in KERNELS:
         from .errors import UsageError
         raise UsageError(f"{ENV}={name!r}: expected one of {', '.join(KERNELS)}")
+    if name == "triton":
+        tiles(128)  # a bad MOPT_VARLEN_TILES: refused with the kernel's choice, before any export
     return name
 
 
@@ -65,7 +86,7 @@ def op():
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out = q.new_empty(q.shape)
         dim = q.shape[2]
-        block_m, block_n, warps, stages = CONFIGS[dim]
+        block_m, block_n, warps, stages = tiles(dim)
         grid = (triton_cdiv(max_len.shape[0], block_m), q.shape[1], cu_seqlens.shape[0] - 1)
         wrap_triton(kernel)[grid](
             q, k, v, out, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

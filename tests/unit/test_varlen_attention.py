@@ -108,3 +108,18 @@ def test_the_kernel_choice_is_validated_and_recorded(monkeypatch):
     monkeypatch.setenv(varlen_attention.ENV, "cudnn")
     with pytest.raises(UsageError, match="MOPT_VARLEN_KERNEL"):
         varlen_attention.kernel_name()
+
+
+@pytest.mark.timeout(30)
+def test_tiles_come_from_the_table_or_a_valid_override(monkeypatch):
+    monkeypatch.delenv(varlen_attention.TILES_ENV, raising=False)
+    assert varlen_attention.tiles(128) == varlen_attention.CONFIGS[128]
+    monkeypatch.setenv(varlen_attention.TILES_ENV, "64,32,4,2")
+    assert varlen_attention.tiles(128) == varlen_attention.tiles(32) == (64, 32, 4, 2)
+    for bad in ("64,128,4,2", "96,32,4,2", "128,64,8", "a,b,c,d", "128,64,3,3", "128,64,8,0"):
+        monkeypatch.setenv(varlen_attention.TILES_ENV, bad)
+        with pytest.raises(UsageError, match="MOPT_VARLEN_TILES"):
+            varlen_attention.tiles(128)
+    monkeypatch.setenv(varlen_attention.ENV, "triton")
+    with pytest.raises(UsageError, match="MOPT_VARLEN_TILES"):  # checked with the kernel's choice
+        varlen_attention.kernel_name()
