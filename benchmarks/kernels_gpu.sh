@@ -21,9 +21,9 @@
 # Environment: FORMS (packed_bench's --forms), MINILM_PRECISIONS (empty: no MiniLM; `fp8:static` compiles
 # with MOPT_FP8_SCALES=static), LAYERS (default 28), ROUNDS (default 3), PROFILE=0 (no kernel profile),
 # QWEN_TIMEOUT (s), ATTN_PROBE=1 (attention_probe.py --sweep first, alone: packed attention's kernels and
-# the Triton kernel's tile sizes, varlen_attention.py; with TUNED=1 the engines compile with its best tiles,
-# MOPT_VARLEN_TILES), PROBE=1 (fp8_static_probe.py on CUDA beside the compiles: why static fp8 scales lose
-# accuracy under Inductor on the GPU).
+# the Triton kernel's tile sizes, varlen_attention.py, for the Qwen3 shape; the BERT shape without a sweep;
+# with TUNED=1 the Qwen3 engines compile with its best tiles, MOPT_VARLEN_TILES), PROBE=1 (fp8_static_probe.py
+# on CUDA beside the compiles: why static fp8 scales lose accuracy under Inductor on the GPU).
 set -u
 work=/tmp/kernels-out
 
@@ -64,6 +64,15 @@ export PYTHONPATH="/tmp/site:$PWD" CXX=g++ PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.csv" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
     > "$OUT/versions.txt" 2>&1
+tiles=()
+if [ "${ATTN_PROBE:-0}" = 1 ]; then  # first, alone on the GPU: attention kernels at every tile size
+    python3 benchmarks/attention_probe.py --sweep --family qwen3 --out "$OUT" > "$OUT/attention_probe_qwen3.log" 2>&1
+    python3 benchmarks/attention_probe.py --family bert --out "$OUT" > "$OUT/attention_probe_bert.log" 2>&1
+    if [ "${TUNED:-0}" = 1 ]; then  # the Qwen3 engines take the sweep's best tiles (fixed + log-normal ms)
+        tiles=("MOPT_VARLEN_TILES=$(python3 benchmarks/attention_probe.py --best "$OUT/attention_probe_qwen3.json")")
+        echo "${tiles[0]}" >> "$OUT/attention_probe_qwen3.log"
+    fi
+fi
 for entry in ${MINILM_PRECISIONS-bf16 fp8}; do
     precision="${entry%%:*}"
     scales=dynamic
@@ -74,21 +83,13 @@ for entry in ${MINILM_PRECISIONS-bf16 fp8}; do
         --input packed --max-batch 64 > "$OUT/$name.out" 2> "$OUT/$name.err"
      cp "/tmp/$name/engine.json" "$OUT/$name.engine.json" 2>/dev/null) &
 done
-if [ "${ATTN_PROBE:-0}" = 1 ]; then  # first, alone on the GPU: attention kernels at every tile size
-    python3 benchmarks/attention_probe.py --sweep --out "$OUT" > "$OUT/attention_probe.log" 2>&1
-    if [ "${TUNED:-0}" = 1 ]; then  # the engines below take the sweep's best tiles (fixed + log-normal ms)
-        MOPT_VARLEN_TILES=$(python3 benchmarks/attention_probe.py --best "$OUT/attention_probe_qwen3.json")
-        export MOPT_VARLEN_TILES
-        echo "MOPT_VARLEN_TILES=$MOPT_VARLEN_TILES" >> "$OUT/attention_probe.log"
-    fi
-fi
 if [ "${PROBE:-0}" = 1 ]; then
     python3 benchmarks/fp8_static_probe.py --model .carry/minilm-fp16 --devices cuda --out "$OUT" \
         > "$OUT/probe.log" 2>&1 &
 fi
 profile=(--profile)
 [ "${PROFILE:-1}" = 0 ] && profile=()
-MOPT_CUDA_GRAPHS=1 timeout "${QWEN_TIMEOUT:-1100}" python3 benchmarks/packed_bench.py --family qwen3 \
+env MOPT_CUDA_GRAPHS=1 "${tiles[@]}" timeout "${QWEN_TIMEOUT:-1100}" python3 benchmarks/packed_bench.py --family qwen3 \
     --layers "${LAYERS:-28}" --no-jit --no-eager --forms "${FORMS:-packed:unmerged,packed,packed:unmerged:fp8,packed:fp8,packed:fp8:static}" \
     --max-seqs 512 --rounds "${ROUNDS:-3}" "${profile[@]}" --min-cosine -1 --out "$OUT" > "$OUT/qwen3.log" 2>&1
 echo "packed_bench rc=$?" >> "$OUT/qwen3.log"

@@ -32,7 +32,7 @@ DEFAULT = "flash"
 
 # Tile sizes and launch settings by head_dim (BLOCK_M query rows, BLOCK_N keys a step; BLOCK_N divides
 # BLOCK_M): measured on the H100/H200 by benchmarks/attention_probe.py --sweep.
-CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)}
+CONFIGS = {16: (64, 32, 4, 3), 32: (64, 32, 4, 3), 64: (64, 32, 4, 3), 128: (64, 32, 4, 3), 256: (64, 32, 4, 2)}
 
 
 def tiles(dim: int) -> tuple[int, int, int, int]:

@@ -45,6 +45,9 @@ def varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, stride_qt,
                             BLOCK_N: tl.constexpr):
     # Grid: (query blocks of the longest sequence, q heads, sequences). Programs next to each other in
     # launch order share a sequence and a head, so its keys and values stay in L2 between them.
+    # Inductor passes a Python float to a user kernel as fp64 (AOTInductor engines): kept so, the scores, the
+    # softmax state and the accumulator would widen to fp64, which tl.dot's fp32 accumulator refuses
+    qk_scale = tl.cast(qk_scale, tl.float32)
     start_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
