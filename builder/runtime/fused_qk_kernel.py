@@ -37,7 +37,6 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_pt
     # One program per token: its q heads and its k heads. int64: token * stride passes 2^31 in a long call
     # (a Qwen3-8B engine's 32 heads x 128 from 524,288 tokens), where int32 offsets would wrap.
     token = tl.program_id(0).to(tl.int64)
-    eps = tl.cast(eps, tl.float32)  # Inductor passes a Python float as fp64: the norm computes in fp32, as eager's
     cols = tl.arange(0, HALF)
     row = cos_ptr + token * stride_ct
     c = tl.load(row + cols).to(tl.float32)

@@ -123,3 +123,49 @@ def test_tiles_come_from_the_table_or_a_valid_override(monkeypatch):
     monkeypatch.setenv(varlen_attention.ENV, "triton")
     with pytest.raises(UsageError, match="MOPT_VARLEN_TILES"):  # checked with the kernel's choice
         varlen_attention.kernel_name()
+
+
+# The kernel compiled for sm_90 as AOTInductor compiles it inside an engine: Inductor types a Python float
+# argument as fp64 (torch/_inductor/codegen/triton_utils.py, signature_of), where a direct launch passes
+# fp32. Uncast, that scale widened the scores and the accumulator to fp64 and tl.dot refused them: the first
+# H100 engine with the kernel failed to compile (2026-12-07). Triton's compiler and its ptxas run without a
+# GPU; the PTX shows whether the products take Hopper's warpgroup instructions (wgmma), the reason for the
+# kernel. A fresh process: the interpreter of the tests above must not be on.
+COMPILE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from builder.runtime.varlen_attention import CONFIGS
+from builder.runtime.varlen_attention_kernel import varlen_attention_kernel as kernel
+
+out = []
+cases = [("fp64", dim % 32 == 0, dim) for dim in sorted(CONFIGS)] + [("fp32", True, 128)]  # every tile shipped
+for scale_type, causal, dim in cases:
+    signature = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    signature["cu_seqlens"] = "*i32"
+    for name in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
+                 "stride_oh", "group"):
+        signature[name] = "i32"
+    signature["qk_scale"] = scale_type
+    block_m, block_n, warps, stages = CONFIGS[dim]
+    constants = {"CAUSAL": causal, "HEAD_DIM": dim, "BLOCK_M": block_m, "BLOCK_N": block_n}
+    signature.update({name: "constexpr" for name in constants})
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    out.append({"scale": scale_type, "causal": causal, "dim": dim, "cubin_bytes": len(compiled.asm["cubin"]),
+                "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_kernel_compiles_for_hopper_as_aotinductor_types_its_scale():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [case["dim"] for case in compiled] == [16, 32, 64, 128, 256, 128]
+    for case in compiled:
+        assert case["cubin_bytes"] > 10_000, case
+        assert case["wgmma"] > 0, case  # both products on Hopper's matrix instructions
