@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -266,9 +265,6 @@ SWEEP_NAMES = [f"{m}x{n} w{w} s{s}" for m, n, w, s in SWEEP]
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--best":  # kernels_gpu.sh TUNED=1
-        print(best_tiles(json.loads(Path(sys.argv[2]).read_text())))
-        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--family", choices=sorted(SHAPES), default="qwen3")
@@ -277,7 +273,12 @@ def main(argv=None) -> int:
     p.add_argument("--switch", action="store_true", help="also export and compile the torch.cond switch")
     p.add_argument("--work", default="/tmp/mopt-attention-probe")
     p.add_argument("--sweep", action="store_true", help="time the Triton kernel at every tile size of SWEEP")
+    p.add_argument("--best", metavar="REPORT", help="print the best swept tiles of an earlier report, as "
+                   "MOPT_VARLEN_TILES takes them, and exit (kernels_gpu.sh TUNED=1)")
     a = p.parse_args(argv)
+    if a.best:
+        print(best_tiles(json.loads(Path(a.best).read_text())))
+        return 0
     shape, rng = SHAPES[a.family], random.Random(0)
     runs = {"fixed": case([a.seq] * a.batch, shape, torch.bfloat16, a.sweep),
             "lognormal": case(lognormal(a.seq, a.batch, rng), shape, torch.bfloat16, a.sweep),
