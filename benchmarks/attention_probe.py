@@ -54,13 +54,8 @@ def lognormal(seq: int, n: int, rng) -> list[int]:
 
 
 def reference(q, k, v, lengths, causal):
-    outs, start = [], 0
-    for n in lengths:
-        qs, ks, vs = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), is_causal=causal,
-                                                   enable_gqa=ks.shape[1] != qs.shape[1])[0].transpose(0, 1))
-        start += n
-    return torch.cat(outs)
+    """Per-sequence SDPA in fp32, at SDPA's default scale (the runtime's reference for the Triton kernel)."""
+    return varlen_attention.reference(q, k, v, lengths, causal, q.shape[-1] ** -0.5)
 
 
 def case(lengths: list[int], shape: dict, dtype, sweep: bool = False) -> dict:

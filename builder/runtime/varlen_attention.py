@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from .errors import UsageError
+
 ENV = "MOPT_VARLEN_KERNEL"
 TILES_ENV = "MOPT_VARLEN_TILES"
 OP = "mopt::varlen_attention"
@@ -46,21 +48,24 @@ def tiles(dim: int) -> tuple[int, int, int, int]:
         return CONFIGS[dim]
     try:
         block_m, block_n, warps, stages = (int(x) for x in value.split(","))
+        valid = (16 <= block_n <= block_m and _power_of_two(block_m) and _power_of_two(block_n)
+                 and warps in (1, 2, 4, 8, 16) and 1 <= stages <= 8)
     except ValueError:
-        block_m = 0
-    if not (block_m >= 16 and 16 <= block_n <= block_m and block_m % block_n == 0 and warps in (1, 2, 4, 8, 16)
-            and 1 <= stages <= 8 and block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0):
-        from .errors import UsageError
+        valid = False
+    if not valid:
         raise UsageError(f"{TILES_ENV}={value!r}: expected BLOCK_M,BLOCK_N,WARPS,STAGES, powers of two with "
                          "BLOCK_N <= BLOCK_M (e.g. 128,64,8,3)")
     return block_m, block_n, warps, stages
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def kernel_name() -> str:
     """Which variable-length kernel packed CUDA engines compile with (MOPT_VARLEN_KERNEL)."""
     name = os.environ.get(ENV, DEFAULT)
     if name not in KERNELS:
-        from .errors import UsageError
         raise UsageError(f"{ENV}={name!r}: expected one of {', '.join(KERNELS)}")
     if name == "triton":
         tiles(128)  # a bad MOPT_VARLEN_TILES: refused with the kernel's choice, before any export
@@ -76,6 +81,7 @@ def fits(q: torch.Tensor, reach: int | None) -> bool:
 @functools.cache
 def op():
     """torch.ops.mopt.varlen_attention, registered at first use."""
+    import triton
     from torch.library import triton_op, wrap_triton
 
     from .varlen_attention_kernel import varlen_attention_kernel as kernel
@@ -90,7 +96,7 @@ def op():
         out = q.new_empty(q.shape)
         dim = q.shape[2]
         block_m, block_n, warps, stages = tiles(dim)
-        grid = (triton_cdiv(max_len.shape[0], block_m), q.shape[1], cu_seqlens.shape[0] - 1)
+        grid = (triton.cdiv(max_len.shape[0], block_m), q.shape[1], cu_seqlens.shape[0] - 1)  # symbolic sizes too
         wrap_triton(kernel)[grid](
             q, k, v, out, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), q.shape[1] // k.shape[1], scale * 1.4426950408889634,  # log2(e)
@@ -98,11 +104,6 @@ def op():
         return out
 
     return torch.ops.mopt.varlen_attention.default
-
-
-def triton_cdiv(a, b: int):
-    """Ceil division that keeps a symbolic size symbolic (the grid of an exported call)."""
-    return (a + b - 1) // b
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], causal: bool,
