@@ -685,9 +685,12 @@ def restart_dockerd(docker: DockerCli, timeout: float = 90) -> float:
                 with suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
         time.sleep(0.2)
+    # Without TMPDIR: scripts/test.sh points it at the run's own dir and removes that dir at the end, and a
+    # daemon that outlives the run and keeps it makes every later `docker exec` fail (runc writes there)
+    env = {name: value for name, value in os.environ.items() if name != "TMPDIR"}
     with DOCKERD_LOG.open("ab") as log:
         subprocess.Popen(["/usr/sbin/dockerd"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         start_new_session=True)
+                         start_new_session=True, env=env)
     while run_docker(["info"], docker=docker, check=False, timeout=10).returncode != 0:
         assert time.monotonic() < deadline, "dockerd did not come back"
         time.sleep(0.5)

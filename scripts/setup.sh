@@ -304,8 +304,10 @@ start_dockerd() {
         say "docker daemon: starting $dockerd (log: $DOCKERD_LOG)"
         # The log is opened by the privileged shell (/var/log is root's); sudo's own output goes to
         # /dev/null too, or it would hold this script's stdout open as long as the daemon runs.
+        # Without the caller's TMPDIR: the daemon outlives this script, and runc writes each `docker exec`'s
+        # files there, so a temp dir removed later (scripts/test.sh's own) would break every exec after it.
         # shellcheck disable=SC2016  # $0 and $1 expand in that shell
-        "${SUDO[@]}" setsid sh -c 'exec "$0" >"$1" 2>&1 </dev/null' "$dockerd" "$DOCKERD_LOG" \
+        "${SUDO[@]}" env -u TMPDIR setsid sh -c 'exec "$0" >"$1" 2>&1 </dev/null' "$dockerd" "$DOCKERD_LOG" \
             </dev/null >/dev/null 2>&1 &
         started=$!
     fi
