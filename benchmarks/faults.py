@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from unittest import mock
 
 import requests
 
@@ -697,6 +698,20 @@ def restart_dockerd(docker: DockerCli, timeout: float = 90) -> float:
     return time.monotonic() - started
 
 
+def exec_works_in_a_container(bench: Bench) -> str:
+    """'ok', or docker exec's error: runc writes each exec's files under the daemon's TMPDIR, so a daemon
+    started with a temp dir that is gone since fails every exec (what the smoke tests' checks use)."""
+    name = f"faults-exec{bench.suffix}"
+    run_docker(["rm", "-f", name], docker=bench.docker, check=False, timeout=60)
+    run_docker(["run", "-d", "--name", name, bench.shell, "/bin/sleep", "60"], docker=bench.docker, timeout=60)
+    try:
+        done = run_docker(["exec", name, "/bin/sh", "-c", "echo exec-ok"], docker=bench.docker, check=False,
+                          timeout=60)
+        return "ok" if done.returncode == 0 and "exec-ok" in done.stdout else (done.stderr or done.stdout).strip()
+    finally:
+        run_docker(["rm", "-f", name], docker=bench.docker, check=False, timeout=60)
+
+
 def dockerd_restarted(bench: Bench, rep: int) -> dict:
     """dockerd restarted while BuildKit runs a RUN step: the build fails clearly, leaves no stage tag,
     and a re-run completes. Stops every container on the host: CI (or MOPT_ALLOW_DOCKERD_RESTART=1) only."""
@@ -717,7 +732,12 @@ def dockerd_restarted(bench: Bench, rep: int) -> dict:
         if "docker build ->" in line:
             break
     time.sleep(4.0)  # inside the 30 s RUN step by now (its base is a tiny local image)
-    restart_s = restart_dockerd(bench.docker)
+    # Restarted from a process whose TMPDIR is a dir removed afterwards, as scripts/test.sh's run dir is
+    caller_tmp = bench.tmp / f"dockerd-caller-tmp-{rep}"
+    caller_tmp.mkdir()
+    with mock.patch.dict(os.environ, {"TMPDIR": str(caller_tmp)}):
+        restart_s = restart_dockerd(bench.docker)
+    shutil.rmtree(caller_tmp)
     lines += proc.stdout.readlines()
     code = proc.wait(120)
     output = "".join(lines)
@@ -726,8 +746,10 @@ def dockerd_restarted(bench: Bench, rep: int) -> dict:
     after_restart = stage_tags(bench.docker, name)
     assert real not in after_restart, f"a stage tag exists after the failed build: {after_restart}"
     rerun_tags_the_stage(bench, state, name, key, ctx)
+    exec_works = exec_works_in_a_container(bench)
     return {"scenario": "dockerd_restarted", "rep": rep, "fault_injected": True, "first_run_ok": False,
             "build_exit": code, "dockerd_back_after_s": round(restart_s, 1), "rerun_ok": True,
+            "exec_after_caller_tmp_removed": exec_works,
             "seconds": round(time.monotonic() - started, 1)}
 
 

@@ -89,6 +89,8 @@ def test_build_process_killed(bench):
 def test_dockerd_restarted_during_a_build(bench):
     rows = _reps(bench, "dockerd_restarted", 2)
     assert all(r["build_exit"] != 0 and r["rerun_ok"] for r in rows)
+    # restarted by a process whose TMPDIR is removed afterwards (test.sh's run dir): exec still works
+    assert [r["exec_after_caller_tmp_removed"] for r in rows] == ["ok", "ok"]
 
 
 def test_ca_bundle_reaches_run_step_but_never_the_image(bench, tmp_path):

@@ -770,6 +770,7 @@ def test_promote_with_a_signature_check_moves_nothing_until_every_long_tag_passe
     asked = []
 
     def check(api, refs, long_tag):
+        assert api is world.registry  # the check reads signatures through the registry client promote opened
         asked.append((refs.long, long_tag))
         if refs.repo == "team/qwen3-embed":
             raise PublishError(f"{refs.long} is not signed by any of the 1 verify key(s): no image signature")
