@@ -29,6 +29,28 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable
 
 
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sums each file's setup, call and teardown times (pytest-xdist sends its workers' reports here too)."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The time of each file, longest first: where a run's minutes go (scripts/test.sh lays its phases out
+    by these), which --durations' single tests do not show."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per file (its tests' setup, call and teardown), longest first")
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    for path, seconds in ranked[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    if len(ranked) > 15:
+        terminalreporter.write_line(f"{sum(s for _, s in ranked[15:]):8.1f}s  the other {len(ranked) - 15} files")
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO
