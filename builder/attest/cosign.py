@@ -88,7 +88,7 @@ def signed_references(api: RegistryApi, repo: str, digest: str, public_key) -> l
         if layer.get("mediaType") != SIMPLE_SIGNING:
             continue
         try:
-            signature = base64.b64decode(layer.get("annotations", {})[SIGNATURE_ANNOTATION], validate=True)
+            signature = base64.b64decode(layer["annotations"][SIGNATURE_ANNOTATION], validate=True)
             data = api.get_blob(repo, layer["digest"], max_bytes=MAX_PAYLOAD_BYTES)
         except (KeyError, TypeError, ValueError, PublishError):  # unreadable, or too large to be a payload
             continue
