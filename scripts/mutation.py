@@ -35,6 +35,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "tests" / "mutation"
 TARGETS = CONFIG_DIR / "targets.yaml"
+TIMEOUT_MULTIPLIER = 5
 ACCEPTED = CONFIG_DIR / "accepted"  # one YAML list per target: <target>.yaml
 WORK = REPO / ".mopt" / "mutation"
 MUTMUT = Path(sys.executable).with_name("mutmut")
@@ -149,6 +150,11 @@ def write_mutmut_config(targets: list[Target], tests: list[str], do_not_mutate: 
     lines = ["[mutmut]", "source_paths = builder", "only_mutate =", *[f"    {f}" for f in files],
              "pytest_add_cli_args_test_selection =", *[f"    {t}" for t in tests],
              "pytest_add_cli_args =", "    -p", "    no:cacheprovider", "    -q", "    -x",
+             # A mutant's CPU limit is (its tests' time + 1 s) x this x 2. mutmut's default, 15, let the five
+             # mutants of CI's sample for b37c2e5 that loop (pooling, fp8 forward) burn 383-388 CPU-s each:
+             # 1,930 of the sample's 2,527 s, beside Docker builds, and the unit files beside phase 3 wait on it.
+             # A timeout still counts as caught; 10x the tests' own time leaves torch's second thread room.
+             f"timeout_multiplier = {TIMEOUT_MULTIPLIER}",
              "also_copy =", *[f"    {p}" for p in ALSO_COPY if (REPO / p).exists()]]
     if patterns:
         lines += ["do_not_mutate_patterns =", *[f"    {p}" for p in patterns]]
