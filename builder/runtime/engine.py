@@ -133,8 +133,13 @@ class Engine:
         too_long = [i for i, s in enumerate(seqs) if len(s) > self.params.max_seq_len]
         if too_long:
             raise ValueError(f"inputs {too_long} exceed the engine's max_seq_len {self.params.max_seq_len}")
+        if not seqs:  # the batcher's idle ping: an engine process of the backend's own answers it from there
+            ping = getattr(self.run, "ping", None)
+            if ping is not None:
+                ping()
+            return torch.empty(0, self.dim, dtype=torch.float32)
         direct = getattr(self.run, "embed_ids", None)
-        if direct is not None and seqs:  # the backend takes the sequences as they are (vLLM: no padding to undo)
+        if direct is not None:  # the backend takes the sequences as they are (vLLM: no padding to undo)
             return direct(seqs)
         out = torch.empty(len(seqs), self.dim, dtype=torch.float32)
         # Sorted by length and cut into calls of similar lengths (plan_calls): padding stays small.

@@ -20,6 +20,7 @@ import requests
 
 from builder.dockerclient import run_docker
 from builder.localregistry import LocalRegistry
+from builder.runtime.batcher import STALL_FACTOR
 from builder.state import StateDir
 from tests.integration.conftest import STATE, mopt_cli
 from tests.integration.served import ServedContainer, embed, posts_in_threads, raw_exchange, request
@@ -27,6 +28,7 @@ from tests.serving import statuses
 
 pytestmark = pytest.mark.integration
 VARIANT = "minilm-embed:cpu-vllm"
+STALL_TIMEOUT_S = 5  # the containers' MOPT_ENGINE_STALL_TIMEOUT
 
 
 @pytest.fixture(scope="module")
@@ -265,10 +267,13 @@ def test_truncate_prompt_tokens_must_be_an_integer(hardened_vllm, value):
     assert status == 400 and body["error"]["code"] == "invalid_truncate_prompt_tokens", body
 
 
+HEAVY = {"input": ["word " * 200] * 32}
+
+
 def _heavy_requests(port: int, count: int) -> tuple[list, list]:
     """COUNT requests of 32 inputs of 200 words each, sent at once (a backlog of tens of seconds on 2
     cores)."""
-    return posts_in_threads(port, json.dumps({"input": ["word " * 200] * 32}).encode(), count, timeout=90)
+    return posts_in_threads(port, json.dumps(HEAVY).encode(), count, timeout=90)
 
 
 @pytest.fixture
@@ -276,7 +281,8 @@ def vllm_container(docker_cli, released):
     """A fresh hardened container of the released vllm image (each test here ends it its own way)."""
     _, _, report = released
     row = next(v for v in report["variants"] if v["id"] == VARIANT)
-    container = ServedContainer(docker_cli.path, row["image_id"], memory="3g", env={"MOPT_ENGINE_STALL_TIMEOUT": "5"})
+    container = ServedContainer(docker_cli.path, row["image_id"], memory="3g",
+                                env={"MOPT_ENGINE_STALL_TIMEOUT": str(STALL_TIMEOUT_S)})
     try:
         yield container.start(health_timeout_s=240)
     finally:
@@ -295,19 +301,47 @@ def test_vllm_image_docker_stop_answers_every_request_and_exits_zero(vllm_contai
     assert 200 in results and "Traceback" not in vllm_container.logs().split('"event": "serving"')[-1]
 
 
+def _stop_enginecore(container: ServedContainer) -> float:
+    """SIGSTOP to vLLM's EngineCore process (a hung engine); when it was sent."""
+    pid = container.exec("sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
+                         "grep -q '^VLLM::EngineCore' && echo ${p#/proc/}; done; true").strip()
+    assert pid.isdigit(), pid
+    container.exec("sh", "-c", f"kill -STOP {pid}")  # the shell's kill: the image has no procps
+    return time.monotonic()
+
+
+def test_an_idle_vllm_engine_that_hangs_ends_the_container_with_71(vllm_container):
+    """EngineCore stopped while no request is in flight: the batcher's idle ping (a utility call that
+    EngineCore's own loop answers) goes unanswered, and the server exits 71 within the stall timeout and
+    a ping's interval. Before the ping was a round trip, /health said 200 for as long as no request came."""
+    assert embed(vllm_container.port, {"input": ["the engine answers"]})[0] == 200
+    stopped = _stop_enginecore(vllm_container)
+    state = vllm_container.wait_exited(STALL_TIMEOUT_S + 30)
+    assert not state["Running"] and state["ExitCode"] == 71, (state, vllm_container.logs()[-3000:])
+    assert time.monotonic() - stopped < STALL_TIMEOUT_S + 10
+    assert '"reason": "engine"' in vllm_container.logs()
+
+
 def test_a_stalled_vllm_engine_ends_the_container_with_71(vllm_container):
     """EngineCore stopped (SIGSTOP) under load: the watchdog sees no answer, the calls waiting on it are
-    answered 503 at once, EngineCore is killed and the server exits 71 (restart policies act)."""
-    results, threads = _heavy_requests(vllm_container.port, 6)
-    time.sleep(2)
-    pid = vllm_container.exec("sh", "-c", "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | "
-                              "grep -q '^VLLM::EngineCore' && echo ${p#/proc/}; done; true").strip()
-    assert pid.isdigit(), pid
-    vllm_container.exec("sh", "-c", f"kill -STOP {pid}")  # the shell's kill: the image has no procps
-    stopped = time.monotonic()
-    state = vllm_container.wait_exited(40)
-    assert not state["Running"] and state["ExitCode"] == 71, (state, vllm_container.logs()[-2000:])
-    assert time.monotonic() - stopped < 20
+    answered 503 at once, EngineCore is killed and the server exits 71 (restart policies act).
+
+    In stop 55's CI run the container still ran 40 s after the stop. Either the load had ended before
+    it (an idle EngineCore went unpinged: the test above) or no call had ended yet, when a call's
+    deadline is FIRST_CALL_S (60 s). So one request of the load's size is answered first: the batcher
+    knows the engine's rate, and a call's deadline is STALL_FACTOR x its expected time, at most that of
+    this request; and the load is large enough to outlast the second before the stop."""
+    began = time.monotonic()
+    status, _ = embed(vllm_container.port, HEAVY)
+    request_s = time.monotonic() - began
+    assert status == 200
+    exit_within = max(STALL_TIMEOUT_S, STALL_FACTOR * request_s) + 10  # + the watchdog's tick and the exit
+    results, threads = _heavy_requests(vllm_container.port, 12)
+    time.sleep(1)
+    stopped = _stop_enginecore(vllm_container)
+    state = vllm_container.wait_exited(exit_within + 20)
+    assert not state["Running"] and state["ExitCode"] == 71, (state, request_s, vllm_container.logs()[-3000:])
+    assert time.monotonic() - stopped < exit_within, (request_s, time.monotonic() - stopped)
     for t in threads:
         t.join(30)
     assert all(r in (200, 503) or "Connection" in str(r) for r in results), results

@@ -64,7 +64,7 @@ FAKE_VLLM = {
         class FakeLLM:
             def __init__(self, args):
                 self.args, self.request_ids, self.dead, self.shut = args, [], False, False
-                self.hold, self.cancelled = False, []
+                self.hold, self.cancelled, self.pings = False, [], 0
                 self.model_config = "model-config"
                 self.engine_core = types.SimpleNamespace(resources=types.SimpleNamespace(
                     engine_manager=types.SimpleNamespace(processes=[Process()])))
@@ -87,6 +87,11 @@ FAKE_VLLM = {
                 import torch
                 yield types.SimpleNamespace(outputs=types.SimpleNamespace(
                     data=torch.tensor([len(ids), ids[0]], dtype=torch.bfloat16)))
+            async def is_sleeping(self):  # a utility call: EngineCore answers it from its own loop
+                self.pings += 1
+                while self.hold:
+                    await asyncio.sleep(0.01)
+                return False
         @contextlib.asynccontextmanager
         async def build_async_engine_client(args):
             llm = FakeLLM(args)
@@ -433,9 +438,32 @@ def test_the_engine_hands_vllm_the_sequences_without_padding():
     engine = Engine(params(), encoder=None, run=run, info={"embedding_dim": 2})
     assert engine.embed_tensor([[5, 6, 7], [9]]).tolist() == [[3.0, 5.0], [1.0, 9.0]]
     assert run.calls == [[[5, 6, 7], [9]]]  # one call, in the request's order, nothing padded
-    assert engine.embed_tensor([]).shape == (0, 2) and len(run.calls) == 1  # an empty call never reaches vLLM
+    assert engine.embed_tensor([]).shape == (0, 2) and len(run.calls) == 1  # an empty call embeds nothing
     with pytest.raises(ValueError, match="max_seq_len"):
         engine.embed_tensor([[1] * 17])
+
+
+def test_the_batchers_ping_reaches_the_backends_engine_process(in_process):
+    """An empty call (the batcher's idle ping) is a round trip to EngineCore (a utility call), so the
+    watchdog sees an EngineCore that hangs while idle; it used to return at once, and a stopped
+    EngineCore was reported healthy for as long as no request came (found when CI's stall test failed)."""
+    from builder.runtime.batcher import Batcher
+
+    run = in_process()
+    llm = _fake_llm(run)
+    engine = Engine(params(), encoder=None, run=run, info={"embedding_dim": 2})
+    assert engine.embed_tensor([]).shape == (0, 2) and llm.pings == 1 and llm.request_ids == []
+    llm.hold = True  # EngineCore stops answering
+    batcher = Batcher(engine.embed_ids, max_batch=4, max_wait_ms=1, ping_interval_s=0.05, stall_timeout_s=0.3,
+                      concurrent=engine.concurrent_calls)
+    try:
+        deadline = time.monotonic() + 5
+        while batcher.stalled() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert batcher.stalled() is not None and llm.pings >= 2
+    finally:
+        run.kill()  # the ping in flight fails (the slice check sees the engine closed)
+        batcher.close(5)
 
 
 def test_only_an_engine_that_batches_calls_itself_is_called_concurrently():

@@ -203,10 +203,20 @@ class InProcess:
         Waits in slices: a call must never outlive the engine. vLLM's shutdown cancels its output
         handler before that could fail the requests in flight, so a call pending at close() would wait
         forever, and Python's exit joins the engine threads that wait (the process would never end)."""
+        return self._wait(self._embed(seqs))
+
+    def ping(self) -> None:
+        """A round trip to EngineCore, for the batcher's idle ping (the server's watchdog times it). vLLM's
+        check_health reads a flag only, so an EngineCore that hangs (or is stopped) while idle would look
+        healthy; a utility call (is_sleeping) is answered by EngineCore's own loop, and only while it runs."""
+        self._wait(self._llm.is_sleeping())
+
+    def _wait(self, coro):
+        """Run CORO on the engine's loop; its result, waited for in slices (see embed_ids)."""
         import asyncio
         import concurrent.futures
 
-        future = asyncio.run_coroutine_threadsafe(self._embed(seqs), self._loop)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         while True:
             try:
                 return future.result(CALL_CHECK_S)
