@@ -153,7 +153,8 @@ def write_mutmut_config(targets: list[Target], tests: list[str], do_not_mutate: 
              # A mutant's CPU limit is (its tests' time + 1 s) x this x 2. mutmut's default, 15, let the five
              # mutants of CI's sample for b37c2e5 that loop (pooling, fp8 forward) burn 383-388 CPU-s each:
              # 1,930 of the sample's 2,527 s, beside Docker builds, and the unit files beside phase 3 wait on it.
-             # A timeout still counts as caught; 10x the tests' own time leaves torch's second thread room.
+             # A timeout still counts as caught, so the limit must hold a mutant's whole run: each child runs
+             # torch on one thread (mutmut(), below), where 10x its tests' time holds them all.
              f"timeout_multiplier = {TIMEOUT_MULTIPLIER}",
              "also_copy =", *[f"    {p}" for p in ALSO_COPY if (REPO / p).exists()]]
     if patterns:
@@ -168,7 +169,10 @@ def write_mutmut_config(targets: list[Target], tests: list[str], do_not_mutate: 
 
 
 def mutmut(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    # One intra-op thread per mutant's tests: mutmut runs --max-children of them on the machine's cores, and
+    # torch's OpenMP threads, more than the cores, spin: CPU time tripled (equivalent pooling mutants ran
+    # 35 s and hit their 71 CPU-s limit, counted caught by timeout; their tests take 23 CPU-s alone).
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
     env.pop("MOPT_MATRIX", None)
     return subprocess.run([str(MUTMUT), *args], cwd=WORK, env=env, text=True,
                           capture_output=capture, check=False)

@@ -176,7 +176,7 @@ class Fp8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.static:  # pointwise: fused into the kernel that made x
             q = (rows.float() * self.input_inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            scale = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+            scale = rows.new_ones((rows.shape[0], 1), dtype=torch.float32)  # on the input's device
         else:
             q, scale = quantize_rows_fp8(rows)  # per token
         y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale,

@@ -264,10 +264,12 @@ def test_fp8_values_end_at_448_and_never_pass_it():
 def test_fp8_keeps_the_linear_layers_scaled_mm_does_not_take():
     """Only layers whose dims are multiples of 16 become fp8; the others stay bf16 Linears, named."""
     layers = torch.nn.ModuleDict({"fits": torch.nn.Linear(32, 16), "odd_in": torch.nn.Linear(24, 16),
-                                  "odd_out": torch.nn.Linear(16, 40), "norm": torch.nn.LayerNorm(16)})
+                                  "odd_out": torch.nn.Linear(16, 40), "norm": torch.nn.LayerNorm(16),
+                                  "fits_after": torch.nn.Linear(16, 32)})  # a kept layer ends no search
     layers.to(torch.bfloat16)
-    assert quantize_linears(layers, kind="fp8") == 1
+    assert quantize_linears(layers, kind="fp8") == 2
     assert type(layers["fits"]) is Fp8Linear and isinstance(layers["norm"], torch.nn.LayerNorm)
+    assert type(layers["fits_after"]) is Fp8Linear
     assert kept_linears(layers) == ["odd_in", "odd_out"]
     assert type(layers["odd_in"]) is torch.nn.Linear and type(layers["odd_out"]) is torch.nn.Linear
     with pytest.raises(ValueError, match="multiples of 16"):
@@ -277,6 +279,31 @@ def test_fp8_keeps_the_linear_layers_scaled_mm_does_not_take():
     with pytest.raises(ValueError, match="fits: no calibrated input range"):  # static scales need every range
         quantize_linears(torch.nn.ModuleDict({"fits": torch.nn.Linear(32, 16).to(torch.bfloat16)}),
                          {"odd_in": torch.ones(24)}, kind="fp8")
+
+
+def test_quantize_linears_names_a_kind_it_does_not_know():
+    layers = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 16)})
+    with pytest.raises(ValueError, match="^kind must be int8 or fp8, not 'int4'$"):
+        quantize_linears(layers, kind="int4")
+    assert type(layers["a"]) is torch.nn.Linear  # nothing replaced
+
+
+def test_the_quantized_layers_say_what_they_are():
+    """print(model) names each layer's form: the engine's report and a user reading the module see it."""
+    layer = _bf16_linear(32, 16, seed=11)
+    assert repr(Fp8Linear(layer)) == "Fp8Linear(in_features=32, out_features=16, fp8 e4m3 per channel x per token)"
+    assert (repr(Fp8Linear(layer, 2.0))
+            == "Fp8Linear(in_features=32, out_features=16, fp8 e4m3 per channel x per tensor (static))")
+    assert (repr(Int8Linear(torch.nn.Linear(32, 16)))
+            == "Int8Linear(in_features=32, out_features=16, int8 per channel x per token)")
+
+
+def test_the_int8_layer_answers_in_its_inputs_dtype():
+    layer = torch.nn.Linear(32, 16)
+    x = torch.randn(3, 32)
+    q = Int8Linear(layer)
+    assert q(x).dtype == torch.float32 and q(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    assert torch.equal(q(x.to(torch.bfloat16)), q(x.to(torch.bfloat16).float()).to(torch.bfloat16))
 
 
 def test_the_fp8_layer_exports_as_scaled_mm():
